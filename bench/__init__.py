@@ -1,0 +1,1 @@
+"""`python -m bench ...`: benchmarks. Speed claims come from here, never from timed unit tests."""

@@ -1,0 +1,112 @@
+"""Plain greedy decoding speed of our torch engine vs transformers `generate`, and the memory-bandwidth bound.
+
+Both arms decode the same prompts for exactly `max_new_tokens` tokens (EOS ignored, so the token accounting is
+identical), after one warm-up prompt; time is perf_counter around the whole request, prefill included.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from spork_trt.config import GenerateConfig
+from spork_trt.engines.torch_engine import TorchEngine
+from spork_trt.generate import generate_plain
+from spork_trt.runtime import Runtime
+
+from .prompts import load_prompts
+
+
+@dataclass
+class ArmResult:
+    name: str
+    tokens: int
+    time_s: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.time_s
+
+
+def read_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
+    """Median read bandwidth of a sum over a buffer far larger than the caches (GB/s), on this process's threads."""
+    x = torch.ones(n_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return n_bytes / sorted(times)[repeats // 2] / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every matrix once (the embedding lookup reads one row only)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or name == "embed.weight" and not model.cfg.tie_embeddings:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def run_ours(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult:
+    engine, cfg = TorchEngine(rt.checkpoint.model), GenerateConfig(max_new_tokens=n)
+    generate_plain(engine, prompts[0], cfg, frozenset())  # warm-up
+    t = time.perf_counter()
+    tokens = sum(len(generate_plain(engine, p, cfg, frozenset()).token_ids) for p in prompts)
+    return ArmResult("spork_trt torch plain", tokens, time.perf_counter() - t)
+
+
+def run_transformers(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult:
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    p = rt.checkpoint.path
+    hf = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=rt.tokenizer.hf.eos_token_id)
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), **kw)  # warm-up
+        t = time.perf_counter()
+        tokens = sum(hf.generate(torch.tensor([q]), **kw).shape[1] - len(q) for q in prompts)
+    return ArmResult("transformers generate", tokens, time.perf_counter() - t)
+
+
+def main(args) -> int:
+    rt = Runtime.load(args.model)
+    prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
+    bw = read_bandwidth_gbs()
+    wbytes = weight_bytes_per_token(rt.checkpoint.model)
+    bound = bw * 1e9 / wbytes
+    arms = [run_ours(rt, prompts, args.max_new_tokens)]
+    if not args.skip_transformers:
+        arms.append(run_transformers(rt, prompts, args.max_new_tokens))
+    summary = {
+        "git_sha": git_sha(), "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "prompts": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "read_bandwidth_gbs": round(bw, 2), "weight_mb_per_token": round(wbytes / 1e6, 1),
+        "bandwidth_bound_tokens_per_second": round(bound, 2),
+        "arms": [dict(asdict(a), tokens_per_second=round(a.tokens_per_second, 2),
+                      fraction_of_bound=round(a.tokens_per_second / bound, 3)) for a in arms],
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"read bandwidth {bw:.1f} GB/s, {wbytes / 1e6:.0f} MB of weights per token -> bound {bound:.1f} tokens/s")
+    print(f"{'arm':28} {'tokens':>7} {'time_s':>8} {'tokens/s':>9} {'of bound':>9}")
+    for a in summary["arms"]:
+        print(f"{a['name']:28} {a['tokens']:>7} {a['time_s']:>8.2f} {a['tokens_per_second']:>9.2f} "
+              f"{a['fraction_of_bound']:>9.1%}")
+    return 0
+
+
+def git_sha() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"

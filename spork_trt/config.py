@@ -1,0 +1,66 @@
+"""Frozen configuration dataclasses. Each default is written once, here; the CLI builds these and hands them over."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: "linear" or "llama3" (a Hugging Face config's `rope_scaling`), or "factors"
+    (llama.cpp's precomputed per-frequency divisors, the `rope_freqs.weight` tensor of llama3 GGUF files)."""
+
+    kind: str  # "linear" | "llama3" | "factors"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    factors: tuple[float, ...] = ()  # [D/2], kind "factors" only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int  # SwiGLU inner size
+    head_dim: int = 0  # 0 means dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048  # context window
+    tie_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        assert self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
+        assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables nucleus sampling
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """One generation request."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()

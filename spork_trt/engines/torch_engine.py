@@ -1,0 +1,41 @@
+"""The reference engine: our PyTorch Transformer with a preallocated KV cache."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..kv_cache import KVCache
+from ..model import Transformer
+
+
+class TorchEngine:
+    def __init__(self, model: Transformer, exit_layer: int | None = None) -> None:
+        self.model = model.eval()
+        self.exit_layer = exit_layer  # run only the first N layers (early-exit drafting)
+        self.cache: KVCache | None = None
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    def reset(self, max_len: int) -> None:
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = KVCache(self.cfg, max_len, n_layers=self.exit_layer)
+        self.cache.truncate(0)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids [B, T]; mask [B, T, length + T] -> logits [B, T, V]."""
+        assert self.cache is not None, "call reset() first"
+        assert mask.shape[-1] == self.cache.length + input_ids.shape[1], (mask.shape, self.cache.length)
+        return self.model(input_ids, position_ids, mask, self.cache, exit_layer=self.exit_layer).logits
+
+    def commit(self, rows: list[int] | None = None) -> None:
+        self.cache.commit(rows)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)

@@ -1,0 +1,168 @@
+"""Reference Llama-family decoder in PyTorch: the export source and the test oracle.
+
+Dims used in shape comments across the project:
+  B batch, T new tokens this call, P past (cached) positions, S = P + T attended positions,
+  H query heads, Hkv key/value heads, G = H // Hkv, D head dim, C hidden size, F ffn size, V vocab, L layers.
+
+The attention mask is an explicit input (`mask [B, T, S]`, True = may attend), so the same forward serves causal
+prefill, one-token decode and arbitrary token trees.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, RopeScaling
+
+
+class KVStore(Protocol):
+    """Where attention keys/values live. `update` stores this call's rows and returns all rows to attend to."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, Hkv, T, D] -> keys, values: [B, Hkv, S, D]."""
+        ...
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    hidden: torch.Tensor | None  # [B, T, C] after layer `tap_layer`, when asked for
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2], with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    sc: RopeScaling | None = cfg.rope_scaling
+    if sc is None:
+        return inv.float()
+    if sc.kind == "linear":
+        return (inv / sc.factor).float()
+    if sc.kind == "factors":
+        return (inv / torch.tensor(sc.factors, dtype=torch.float64, device="cpu")).float()
+    assert sc.kind == "llama3", sc.kind
+    old = sc.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / sc.low_freq_factor, old / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / sc.factor, inv)
+    smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))  # [C]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, bias, layer: int, kv: KVStore | None):
+        # x [B, T, C]; cos, sin [B, 1, T, D]; bias [B, 1, 1, T, S] (0 or a large negative)
+        b, t, _ = x.shape
+        hkv, g, d = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        q = self.wq(x).view(b, t, self.n_heads, d).transpose(1, 2)  # [B, H, T, D]
+        k = self.wk(x).view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.wv(x).view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = kv.update(layer, k, v)  # [B, Hkv, S, D]
+        q = q.reshape(b, hkv, g * t, d)  # query head h uses kv head h // G; 4-D matmuls never copy the cache
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).view(b, hkv, g, t, -1)  # [B, Hkv, G, T, S]
+        probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
+        out = probs.view(b, hkv, g * t, -1) @ v  # [B, Hkv, G*T, D]
+        return self.wo(out.view(b, self.n_heads, t, d).transpose(1, 2).reshape(b, t, self.n_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, bias, layer: int, kv: KVStore | None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, bias, layer, kv)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        position_ids: torch.Tensor,  # [B, T]
+        mask: torch.Tensor,  # [B, T, S] bool, True = may attend
+        kv: KVStore | None = None,
+        exit_layer: int | None = None,  # run only the first `exit_layer` layers, then norm + LM head
+        tap_layer: int | None = None,  # also return the hidden state after this many layers
+    ) -> ModelOutput:
+        n = self.cfg.n_layers if exit_layer is None else exit_layer
+        assert 0 < n <= self.cfg.n_layers, f"exit_layer must be in 1..{self.cfg.n_layers}"
+        freqs = position_ids.to(self.inv_freq.dtype)[:, :, None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        x = self.embed(input_ids)  # [B, T, C]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
+        bias = bias[:, None, None]  # [B, 1, 1, T, S]
+        hidden = None
+        for i, layer in enumerate(self.layers[:n]):
+            x = layer(x, cos, sin, bias, i, kv)
+            if tap_layer is not None and i + 1 == tap_layer:
+                hidden = x
+        return ModelOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
+
+
+def causal_mask(past: int, new: int, batch: int = 1) -> torch.Tensor:
+    """Causal mask [B, T, S] for `new` tokens after `past` cached ones."""
+    s = past + new
+    rows = torch.arange(past, s)[:, None]  # [T, 1]
+    return (torch.arange(s)[None, :] <= rows).expand(batch, new, s)

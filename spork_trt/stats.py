@@ -1,0 +1,42 @@
+"""Per-request decoding statistics, named as in DESIGN.md's glossary."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    draft_tokens: int = 0  # draft tokens verified by the target
+    accepted_tokens: int = 0  # draft tokens accepted
+    committed_tokens: int = 0  # accepted + bonus, after stop truncation
+    time_s: float = 0.0
+    prefill_s: float = 0.0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.committed_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.committed_tokens / self.time_s if self.time_s > 0 else 0.0
+
+    def record_step(self, draft: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += draft
+        self.accepted_tokens += accepted
+        self.accepted_length_histogram[accepted] = self.accepted_length_histogram.get(accepted, 0) + 1
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 tokens_per_second=self.tokens_per_second)
+        d["accepted_length_histogram"] = {str(k): v for k, v in sorted(self.accepted_length_histogram.items())}
+        return d

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny seeded random models (fast invariants) and the real default model (session-scoped)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from spork_trt.config import ModelConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def tiny_config(**over) -> ModelConfig:
+    base = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256,
+                rope_theta=10000.0, tie_embeddings=True, eos_token_ids=())
+    base.update(over)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    from spork_trt.weights import load_checkpoint
+
+    return load_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_checkpoint):
+    from spork_trt.tokenizer import load_tokenizer
+
+    ck = default_checkpoint
+    return load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+
+
+def mt_bench_prompts(n: int) -> list[str]:
+    """The first turn of the first `n` MT-bench questions, one per category in turn."""
+    rows = [json.loads(line) for line in (DATA / "mt_bench" / "question.jsonl").read_text().splitlines() if line]
+    by_cat: dict[str, list[str]] = {}
+    for r in rows:
+        by_cat.setdefault(r["category"], []).append(r["turns"][0])
+    order = [q for group in zip(*by_cat.values()) for q in group]
+    return order[:n]

@@ -1,0 +1,59 @@
+"""The command line as a user runs it: bad input is one line on stderr and exit 2; output is the model's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spork_trt", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["generate", "hi", "--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
+    (["generate", "hi", "--model", "pyproject.toml"], "unknown model format"),
+    (["generate", "hi", "--mode", "warp"], "invalid choice"),
+    (["generate"], "required: prompt"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and r.stderr.startswith("error: ")
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_help_has_examples():
+    r = run("generate", "--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "--max-new-tokens" in r.stdout
+
+
+@pytest.mark.slow
+def test_json_output_and_streamed_text_agree():
+    r = run("generate", "What is the capital of France?", "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "stats"}
+    st = out["stats"]
+    for key in ("steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                "tokens_per_second", "time_s"):
+        assert key in st
+    assert "Paris" in out["text"]
+    assert st["steps"] == len(out["token_ids"]) and st["draft_tokens"] == 0 and st["tokens_per_second"] > 0
+    streamed = run("generate", "What is the capital of France?", "--max-new-tokens", "12")
+    assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n"
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_the_context_window():
+    r = run("generate", "word " * 9000, "--raw")
+    assert r.returncode == 2 and "context window is 8192" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,101 @@
+"""KV cache invariants on tiny seeded random models: cached decoding == full recomputation, commit of a path ==
+having decoded only that path, truncate-then-redo == never having gone there. Also: no reallocation per step."""
+from __future__ import annotations
+
+import torch
+
+from spork_trt.kv_cache import KVCache
+from spork_trt.model import causal_mask
+from spork_trt.weights import random_checkpoint
+from tests.conftest import tiny_config
+
+TOL = 1e-5
+
+
+def model():
+    return random_checkpoint(tiny_config(), seed=3, scale=5.0).model
+
+
+def full(m, ids):
+    n = len(ids)
+    with torch.no_grad():
+        return m(torch.tensor([ids]), torch.arange(n)[None], causal_mask(0, n)).logits[0]  # [T, V]
+
+
+def step(m, cache, ids, positions=None, mask=None):
+    p, t = cache.length, len(ids)
+    pos = torch.arange(p, p + t) if positions is None else torch.tensor(positions)
+    mask = causal_mask(p, t) if mask is None else mask
+    with torch.no_grad():
+        return m(torch.tensor([ids]), pos[None], mask, cache).logits[0]
+
+
+def test_cached_decoding_equals_full_recomputation():
+    m = model()
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = KVCache(m.cfg, 64)
+    k_ptr = cache.k.data_ptr()
+    got = [step(m, cache, ids[:25])]
+    cache.commit()
+    for t in ids[25:]:
+        got.append(step(m, cache, [t]))
+        cache.commit()
+    assert cache.k.data_ptr() == k_ptr and cache.length == 40  # preallocated buffers, never replaced
+    assert (torch.cat(got) - full(m, ids)).abs().max() < TOL
+
+
+def tree_mask(prefix: int, parents: list[int]) -> torch.Tensor:
+    """[1, N, prefix + N]: each node sees the prefix, its ancestors and itself."""
+    n = len(parents)
+    mask = torch.zeros(1, n, prefix + n, dtype=torch.bool)
+    mask[..., :prefix] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[0, i, prefix + j] = True
+            j = parents[j]
+    return mask
+
+
+def test_commit_of_a_tree_path_equals_decoding_only_that_path():
+    m = model()
+    prompt = [5, 17, 3, 88, 40, 41, 7]
+    # tree: 0 <- 1 <- 3 ; 0 <- 2 <- 4 <- 5  (node tokens below); keep path 0, 2, 4
+    parents = [-1, 0, 0, 1, 2, 4]
+    tokens = [11, 12, 13, 14, 15, 16]
+    depth = [0, 1, 1, 2, 2, 3]
+    cache = KVCache(m.cfg, 64)
+    step(m, cache, prompt)
+    cache.commit()
+    p = cache.length
+    tree_logits = step(m, cache, tokens, [p + d for d in depth], tree_mask(p, parents))
+    path = [0, 2, 4]
+    want = full(m, prompt + [tokens[i] for i in path])[p:]
+    assert (tree_logits[path] - want).abs().max() < TOL  # tree attention == decoding the path alone
+    cache.commit(path)
+    nxt = step(m, cache, [30])
+    assert (nxt - full(m, prompt + [11, 13, 15, 30])[-1:]).abs().max() < TOL
+
+
+def test_truncate_then_redo_equals_never_going_there():
+    m = model()
+    ids = [4, 8, 15, 16, 23, 42]
+    cache = KVCache(m.cfg, 32)
+    step(m, cache, ids)
+    cache.commit()
+    step(m, cache, [1, 2, 3, 4])  # a detour
+    cache.commit()
+    cache.truncate(len(ids))
+    got = step(m, cache, [9, 10])
+    assert (got - full(m, ids + [9, 10])[-2:]).abs().max() < TOL
+
+
+def test_uncommitted_rows_are_discarded():
+    m = model()
+    cache = KVCache(m.cfg, 32)
+    step(m, cache, [1, 2, 3])
+    cache.commit()
+    step(m, cache, [50, 51, 52])  # verified but nothing kept
+    cache.commit([])
+    got = step(m, cache, [7])
+    assert cache.length == 3 and (got - full(m, [1, 2, 3, 7])[-1:]).abs().max() < TOL
