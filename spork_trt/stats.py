@@ -14,6 +14,7 @@ class Stats:
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0
+    fallbacks: int = 0  # times recovery switched to plain decoding
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps
 
     @property

@@ -6,7 +6,7 @@ import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.generate import generate_plain
+from spork_trt.generate import generate
 from spork_trt.model import causal_mask
 from tests.conftest import mt_bench_prompts
 
@@ -45,5 +45,5 @@ def test_greedy_64_tokens_match_transformers(default_checkpoint, default_tokeniz
         out = hf_default.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
     want = out[0, len(ids):].tolist()
     eos = frozenset()  # transformers was told to run 64 tokens regardless of EOS; so are we
-    got = generate_plain(TorchEngine(default_checkpoint.model), ids, GenerateConfig(max_new_tokens=64), eos)
+    got = generate(TorchEngine(default_checkpoint.model), ids, GenerateConfig(max_new_tokens=64), eos)
     assert got.token_ids == want

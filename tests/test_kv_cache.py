@@ -27,7 +27,9 @@ def step(m, cache, ids, positions=None, mask=None):
     pos = torch.arange(p, p + t) if positions is None else torch.tensor(positions)
     mask = causal_mask(p, t) if mask is None else mask
     with torch.no_grad():
-        return m(torch.tensor([ids]), pos[None], mask, cache).logits[0]
+        out = m(torch.tensor([ids]), pos[None], mask, cache).logits[0]
+    cache.written(t)
+    return out
 
 
 def test_cached_decoding_equals_full_recomputation():
@@ -99,3 +101,23 @@ def test_uncommitted_rows_are_discarded():
     cache.commit([])
     got = step(m, cache, [7])
     assert cache.length == 3 and (got - full(m, [1, 2, 3, 7])[-1:]).abs().max() < TOL
+
+
+def test_a_tree_grown_in_several_forwards_commits_like_one():
+    """Drafters grow trees one depth per forward: pending rows accumulate across forwards before the commit."""
+    m = model()
+    prompt = [9, 8, 7, 6]
+    cache = KVCache(m.cfg, 32)
+    step(m, cache, prompt)
+    cache.commit()
+    p = cache.length
+    parents = [-1, 0, 0, 1]
+    tokens = [20, 21, 22, 23]
+    full_mask = tree_mask(p, parents)
+    step(m, cache, tokens[:1], [p], full_mask[:, :1, : p + 1])  # depth 0
+    step(m, cache, tokens[1:3], [p + 1, p + 1], full_mask[:, 1:3, : p + 3])  # depth 1
+    last = step(m, cache, tokens[3:], [p + 2], full_mask[:, 3:, : p + 4])  # depth 2
+    assert cache.pending == 4
+    assert (last - full(m, prompt + [20, 21, 23])[-1:]).abs().max() < TOL
+    cache.commit([0, 1, 3])
+    assert (step(m, cache, [5]) - full(m, prompt + [20, 21, 23, 5])[-1:]).abs().max() < TOL

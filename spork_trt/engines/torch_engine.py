@@ -22,6 +22,10 @@ class TorchEngine:
     def length(self) -> int:
         return 0 if self.cache is None else self.cache.length
 
+    @property
+    def pending(self) -> int:
+        return 0 if self.cache is None else self.cache.pending
+
     def reset(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = KVCache(self.cfg, max_len, n_layers=self.exit_layer)
@@ -29,10 +33,13 @@ class TorchEngine:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids [B, T]; mask [B, T, length + T] -> logits [B, T, V]."""
-        assert self.cache is not None, "call reset() first"
-        assert mask.shape[-1] == self.cache.length + input_ids.shape[1], (mask.shape, self.cache.length)
-        return self.model(input_ids, position_ids, mask, self.cache, exit_layer=self.exit_layer).logits
+        """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V]."""
+        c = self.cache
+        assert c is not None, "call reset() first"
+        assert mask.shape[-1] == c.length + c.pending + input_ids.shape[1], (mask.shape, c.length, c.pending)
+        logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer).logits
+        c.written(input_ids.shape[1])
+        return logits
 
     def commit(self, rows: list[int] | None = None) -> None:
         self.cache.commit(rows)

@@ -1,0 +1,189 @@
+"""Drafters: propose a token tree from the committed context. One interface, four kinds.
+
+  reset(prompt_ids, max_len)    start a sequence (model drafters prefill their own KV cache)
+  propose(root, spec) -> DraftTree   node 0 = root (the last committed token); draft nodes below it
+  commit(tree, verdict)         keep state in step with what the target committed (tree may be root-only when
+                                the loop decoded plainly this step)
+
+Model drafters (a separate draft model, a quantized copy of the target, the target's first N layers) grow a
+dynamic tree: per depth, the top-K children of every node of the previous depth, keeping the K with the highest
+cumulative draft probability (within the node budget); one batched draft forward per depth. The n-gram drafter
+looks the recent suffix up in prompt + output; distinct continuations become forks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import SamplingConfig, SpecConfig
+from .model import causal_mask
+from .sampling import processed_probs
+from .tree import DraftTree
+from .verify import Verdict
+
+
+class Drafter(Protocol):
+    def reset(self, prompt_ids: list[int], max_len: int) -> None: ...
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree: ...
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None: ...
+
+
+@dataclass
+class ModelDrafter:
+    """Drafts with any engine (separate model, quantized self-draft, early exit) that keeps its own KV cache.
+
+    Invariant: the engine's committed rows hold the committed sequence minus `behind` (committed tokens it has not
+    run yet) minus the root; `rows` maps tree nodes to the pending rows the last `propose` wrote.
+    """
+
+    engine: object
+    sampling: SamplingConfig
+    gen: torch.Generator
+    behind: list[int] = field(default_factory=list)
+    rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
+
+    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+        self.engine.reset(max_len)
+        n = len(prompt_ids)
+        self.engine.forward(torch.tensor([prompt_ids]), torch.arange(n)[None], causal_mask(0, n))
+        self.engine.commit()
+        self.behind, self.rows = [], {}
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        eng = self.engine
+        base = eng.length
+        run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
+        logits = eng.forward(torch.tensor([run]), torch.arange(base, base + len(run))[None],
+                             causal_mask(base, len(run)))[0, -1:]  # [1, V]
+        tokens, parents, logp, q_rows = [root], [-1], [0.0], [None]
+        self.rows = {0: len(run) - 1}
+        level = [0]
+        for depth in range(1, spec.tree_depth + 1):
+            room = spec.tree_budget - (len(tokens) - 1)
+            if room <= 0:
+                break
+            pick = self.top_children if self.sampling.greedy else self.sampled_children
+            chosen = pick(level, logits, logp, spec.tree_width, min(spec.tree_width, room))
+            level = []
+            for score, parent, tok, q in chosen:
+                level.append(len(tokens))
+                tokens.append(tok)
+                parents.append(parent)
+                logp.append(score)
+                q_rows.append(q)
+            if depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
+                break
+            logits = self.forward_level(level, tokens, parents, base)  # [len(level), V]
+        q = None
+        if not self.sampling.greedy:
+            q = torch.stack([torch.zeros_like(q_rows[1]) if r is None else r for r in q_rows])  # [N, V]
+        return DraftTree(tuple(tokens), tuple(parents), q)
+
+    def top_children(self, level, logits, logp, k: int, slots: int) -> list[tuple]:
+        """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
+        Returns (cumulative log prob, parent, token, None) in rank order."""
+        lp = torch.log_softmax(logits.float(), -1)  # [L, V]
+        top = torch.topk(lp, k, dim=-1)
+        cands = [(logp[node] + v, node, t, None) for j, node in enumerate(level)
+                 for v, t in zip(top.values[j].tolist(), top.indices[j].tolist())]
+        return sorted(cands, key=lambda c: -c[0])[:slots]
+
+    def sampled_children(self, level, logits, logp, k: int, slots: int) -> list[tuple]:
+        """Sampling: children drawn without replacement from the draft distribution, slots handed to parents
+        round-robin in rank order. Which parent gets a slot never depends on a child's drawn value, so every
+        child kept is an honest draw from its recorded proposal q_i (what lossless rejection sampling needs)."""
+        probs = processed_probs(logits, self.sampling)  # [L, V] the draft's distribution
+        ranked = sorted(range(len(level)), key=lambda j: -logp[level[j]])
+        order = [j for _ in range(k) for j in ranked][:slots]
+        left = {j: probs[j].clone() for j in ranked}
+        out = []
+        for j in order:
+            q = left[j]
+            if q.sum() <= 0:
+                continue
+            q = q / q.sum()
+            t = int(torch.multinomial(q, 1, generator=self.gen))
+            out.append((logp[level[j]] + math.log(float(q[t])), level[j], t, q.clone()))
+            q[t] = 0.0
+            left[j] = q
+        return out
+
+    def forward_level(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> torch.Tensor:
+        """Run one depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors."""
+        eng = self.engine
+        pending = eng.pending
+        mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
+        mask[0, :, : base + self.rows[0]] = True  # committed rows + caught-up `behind` rows
+        depth = []
+        for j, node in enumerate(level):
+            self.rows[node] = pending + j
+            anc, d = node, 0
+            while anc >= 0:
+                if anc in self.rows:
+                    mask[0, j, base + self.rows[anc]] = True
+                anc = parents[anc]
+                d += 1
+            depth.append(d - 1)
+        pos = torch.tensor([[base + self.rows[0] + d for d in depth]])
+        return eng.forward(torch.tensor([[tokens[n] for n in level]]), pos, mask)[0]
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        if not self.rows:  # no proposal this step: the committed tokens are all still to run
+            self.behind += [tree.tokens[i] for i in verdict.path]
+            return
+        kept = list(range(self.rows[0] + 1))  # caught-up tokens and the root
+        ran = [i for i in verdict.path[1:] if i in self.rows]
+        kept += [self.rows[i] for i in ran]
+        self.engine.commit(kept)
+        self.behind = [tree.tokens[i] for i in verdict.path[1 + len(ran):]]
+        self.rows = {}
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup: continuations of the latest matches of the context's suffix (longest n first)."""
+
+    max_n: int = 4
+    context: list[int] = field(default_factory=list)
+
+    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+        self.context = list(prompt_ids)
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        ctx = self.context + [root]
+        conts: list[list[int]] = []
+        for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
+            suffix = ctx[-n:]
+            for i in range(len(ctx) - n - 1, -1, -1):  # latest match first
+                if ctx[i:i + n] == suffix:
+                    cont = ctx[i + n:i + n + spec.tree_depth]
+                    if cont and not any(c[:len(cont)] == cont for c in conts):
+                        conts.append(cont)
+                        if len(conts) >= spec.tree_width:
+                            return trie(root, conts, spec.tree_budget)
+        return trie(root, conts, spec.tree_budget)
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        self.context += [tree.tokens[i] for i in verdict.path]
+
+
+def trie(root: int, continuations: list[list[int]], budget: int) -> DraftTree:
+    """Merge token sequences into a tree under `root` (shared prefixes share nodes), at most `budget` draft nodes."""
+    tokens, parents = [root], [-1]
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in continuations:
+        node = 0
+        for t in cont:
+            if (node, t) not in index:
+                if len(tokens) - 1 >= budget:
+                    break
+                index[(node, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+            node = index[(node, t)]
+    return DraftTree(tuple(tokens), tuple(parents))

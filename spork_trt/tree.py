@@ -1,0 +1,84 @@
+"""Token trees as data, compiled once per step into the buffers a target forward needs.
+
+A tree is a parent index per node. Node 0 is the root: the last committed token, whose KV is not in the cache
+yet; every other node is a draft token. Parents precede children (parents[i] < i), so a path's node indices
+ascend. A chain is a tree whose parents are [-1, 0, 1, 2, ...]. Static presets (Medusa/EAGLE-style choice lists)
+and trees grown at run time compile through the same function, `compile_tree`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]  # [N] node 0 = root
+    parents: tuple[int, ...]  # [N] parents[0] = -1, parents[i] < i
+    # [N, V] the proposal distribution each draft node was drawn from (given its earlier siblings were drawn);
+    # None: nodes were chosen deterministically (top-K, n-gram), i.e. a one-hot proposal. Row 0 is unused.
+    q: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.parents) and self.parents[0] == -1, self.parents
+        assert all(0 <= p < i for i, p in enumerate(self.parents) if i), self.parents
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def root_only(cls, root: int) -> "DraftTree":
+        return cls((root,), (-1,))
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    mask: torch.Tensor  # [1, N, P + N] bool: the prefix, the node's ancestors and itself
+    position_ids: torch.Tensor  # [1, N] prefix length + depth
+    depth: tuple[int, ...]  # [N] root = 0
+    children: tuple[tuple[int, ...], ...]  # [N] child node indices, in drafting order
+
+
+def compile_tree(parents: tuple[int, ...], prefix_len: int) -> TreeBuffers:
+    """Pure function: parent indices -> attention mask over [committed prefix | tree], positions, children."""
+    n = len(parents)
+    ancestors = torch.zeros(n, n, dtype=torch.bool)  # [N, N] row i: i and its ancestors
+    depth = [0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i, p in enumerate(parents):
+        ancestors[i, i] = True
+        if p >= 0:
+            ancestors[i] |= ancestors[p]
+            depth[i] = depth[p] + 1
+            children[p].append(i)
+    mask = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors], dim=1)[None]
+    positions = (torch.tensor(depth) + prefix_len)[None]
+    return TreeBuffers(mask, positions, tuple(depth), tuple(tuple(c) for c in children))
+
+
+def chain_parents(n_draft: int) -> tuple[int, ...]:
+    """Parents of a chain: the root and `n_draft` draft tokens."""
+    return tuple(range(-1, n_draft))
+
+
+def choices_to_parents(choices: list[tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Medusa-style choice list (each entry: child ranks from the root, e.g. (0,), (1,), (0, 0)) -> (parents,
+    node paths). Node i + 1 is choices[i] sorted by length then rank, so parents precede children."""
+    ordered = sorted(set(choices), key=lambda c: (len(c), c))
+    index = {(): 0}
+    parents = [-1]
+    for c in ordered:
+        if c[:-1] not in index:
+            raise ValueError(f"tree choice {c} has no parent {c[:-1]} in the list")
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+    return tuple(parents), tuple(ordered)
+
+
+# Static presets: width/depth shapes in the style of Medusa and EAGLE choice lists.
+PRESETS: dict[str, list[tuple[int, ...]]] = {
+    "chain4": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "binary3": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)],
+    "medusa-small": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)],
+}
