@@ -4,25 +4,52 @@ import sys
 from spork_trt.errors import UserError
 
 EXAMPLES = """examples:
-  python -m bench plain                      # 8 MT-bench prompts x 128 tokens, ours vs transformers
-  python -m bench plain --prompts humaneval --limit 4 --max-new-tokens 64 --json
+  python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
+  python -m bench run --prompts humaneval --max-new-tokens 64 --json
+  python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
 """
+DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
+
+
+def add_common(p) -> None:
+    p.add_argument("--prompts", default="mt_bench", help="mt_bench | humaneval | PATH.jsonl (comma list for run)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default=None)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="offline arms side by side (plain always included)", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(r)
+    r.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="plain | spork/DRAFT[/KxMxN]")
+    r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
+    r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
+    add_common(w)
+    w.add_argument("--arm", required=True)
+    w.add_argument("--out", required=True)
     pl = sub.add_parser("plain", help="plain greedy tokens/s: ours vs transformers, and the bandwidth bound",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pl.add_argument("--prompts", default="mt_bench", help="mt_bench | humaneval | PATH.jsonl")
-    pl.add_argument("--limit", type=int, default=8)
-    pl.add_argument("--max-new-tokens", type=int, default=128)
-    pl.add_argument("--model", default=None)
+    add_common(pl)
+    pl.set_defaults(limit=8)
     pl.add_argument("--skip-transformers", action="store_true")
     pl.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
+        if args.command == "run":
+            from . import run
+
+            return run.main(args)
+        if args.command == "worker":
+            from . import worker
+
+            return worker.main(args)
         from . import plain
 
         return plain.main(args)

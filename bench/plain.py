@@ -107,6 +107,6 @@ def main(args) -> int:
     return 0
 
 
-def git_sha() -> str:
+def git_sha() -> str:  # noqa: D103
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return r.stdout.strip() or "unknown"

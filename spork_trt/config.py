@@ -70,7 +70,7 @@ class GenerateConfig:
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
-    draft: str = "self-int8"  # ngram | self-int8 | self-int4 | early-exit:N | model:PATH
+    draft: str = "ngram"  # ngram | self-int8 | self-int4 | early-exit:N | model:PATH
     tree_width: int = 2  # K: top-K children (forks) per expanded node, and nodes kept per depth
     tree_depth: int = 5  # M: draft depth
     tree_budget: int = 12  # N: most draft nodes per step

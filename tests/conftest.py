@@ -46,3 +46,18 @@ def mt_bench_prompts(n: int) -> list[str]:
         by_cat.setdefault(r["category"], []).append(r["turns"][0])
     order = [q for group in zip(*by_cat.values()) for q in group]
     return order[:n]
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    import gzip
+
+    with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return ["Complete the following Python function:\n" + r["prompt"] for r in rows[:n]]
+
+
+@pytest.fixture(scope="session")
+def default_runtime():
+    from spork_trt.runtime import Runtime
+
+    return Runtime.load()

@@ -90,3 +90,28 @@ def test_stop_token_inside_an_accepted_path_truncates_there(target):
     got = generate(TorchEngine(target), PROMPTS[0], cfg, frozenset({eos}), drafter=drafter_for("perfect", target),
                    spec=spec)
     assert got.token_ids == plain[:first] and got.stop_reason == "eos"
+
+
+def test_spork_sampling_matches_plain_sampling_in_distribution():
+    """End to end through the loop: the tokens after the first (which the speculative steps produce) have the same
+    distribution under spork as under plain sampling. Two-sample chi-square over the second token."""
+    model = random_checkpoint(tiny_config(vocab_size=8, n_layers=2), seed=5, scale=20.0).model
+    draft = random_checkpoint(tiny_config(vocab_size=8, n_layers=2), seed=6, scale=20.0).model
+    spec = SpecConfig(tree_width=2, tree_depth=2, tree_budget=4)
+    counts = {"plain": torch.zeros(8), "spork": torch.zeros(8)}
+    n = 1500
+    for arm in counts:
+        for seed in range(n):
+            s = SamplingConfig(temperature=1.0, seed=seed + (0 if arm == "plain" else 10**6))
+            drafter = None
+            if arm == "spork":
+                drafter = ModelDrafter(TorchEngine(draft), s, torch.Generator().manual_seed(seed))
+            out = generate(TorchEngine(model), [1, 2, 3], GenerateConfig(max_new_tokens=2, sampling=s), frozenset(),
+                           drafter=drafter, spec=spec)
+            counts[arm][out.token_ids[1]] += 1
+    a, b = counts["plain"], counts["spork"]
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    stat = float(((a - b) ** 2 / (a + b)).sum())  # two-sample chi-square with equal sizes
+    critical = {1: 15.1, 2: 18.4, 3: 21.1, 4: 23.5, 5: 25.7, 6: 27.9, 7: 29.9}[int(keep.sum()) - 1]
+    assert stat < critical, (counts, stat)

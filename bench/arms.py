@@ -1,0 +1,30 @@
+"""Benchmark arms: `plain` or `spork/DRAFT[/KxMxN]` (tree width x depth x budget), e.g. `spork/self-int8/2x5x10`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spork_trt.config import SpecConfig
+from spork_trt.errors import UserError
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    mode: str  # "plain" | "spork"
+    spec: SpecConfig
+
+
+def parse_arm(name: str) -> Arm:
+    if name == "plain":
+        return Arm(name, "plain", SpecConfig())
+    parts = name.split("/")
+    if parts[0] != "spork" or len(parts) not in (2, 3):
+        raise UserError(f"bad arm {name!r}: use plain or spork/DRAFT[/KxMxN], e.g. spork/ngram/3x6x12")
+    spec = SpecConfig(draft=parts[1])
+    if len(parts) == 3:
+        try:
+            k, m, n = (int(x) for x in parts[2].split("x"))
+        except ValueError:
+            raise UserError(f"bad tree shape in arm {name!r}: write width x depth x budget, e.g. 2x5x10") from None
+        spec = SpecConfig(draft=parts[1], tree_width=k, tree_depth=m, tree_budget=n)
+    return Arm(name, "spork", spec)

@@ -1,0 +1,100 @@
+"""`python -m bench run`: every arm on every prompt set, each arm in its own process, then a summary.
+
+Same prompts, same token accounting and the same stop rule for every arm; one warm-up request per arm, excluded;
+time is perf_counter around each whole request (prefill included). Lossless arms are checked token for token
+against plain (greedy runs); any mismatch is reported loudly and counted.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from .arms import parse_arm
+
+
+def run_arms(a) -> list[Path]:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for prompts in a.prompts.split(","):
+        for arm in a.arms:
+            f = out / f"{Path(prompts).stem}__{arm.replace('/', '_').replace(':', '-')}.jsonl"
+            cmd = [sys.executable, "-m", "bench", "worker", "--arm", arm, "--prompts", prompts,
+                   "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--out", str(f)]
+            cmd += ["--limit", str(a.limit)] if a.limit else []
+            cmd += ["--model", a.model] if a.model else []
+            cmd += ["--seed", str(a.seed)] if a.seed is not None else []
+            print(f"[bench] {prompts} / {arm}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True)
+            files.append(f)
+    return files
+
+
+def summarize(files: list[Path]) -> dict:
+    records = defaultdict(list)  # (prompts, arm) -> per-prompt records
+    peaks = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["prompts"], r["arm"])
+            if "peak_rss_mb" in r:
+                peaks[key] = r["peak_rss_mb"]
+            else:
+                records[key].append(r)
+    arms = []
+    for (prompts, arm), rows in records.items():
+        plain = {r["prompt_id"]: r for r in records.get((prompts, "plain"), [])}
+        tps = sum(r["tokens"] for r in rows) / sum(r["time_s"] for r in rows)
+        plain_tps = (sum(r["tokens"] for r in plain.values()) / sum(r["time_s"] for r in plain.values())
+                     if plain else None)
+        greedy = rows[0]["temperature"] == 0
+        mismatches = sum(1 for r in rows if greedy and r["prompt_id"] in plain
+                         and r["token_ids"] != plain[r["prompt_id"]]["token_ids"])
+        if mismatches:
+            print(f"[bench] LOSSLESS MISMATCH: {arm} differs from plain on {mismatches} {prompts} prompts",
+                  file=sys.stderr)
+        cats = defaultdict(lambda: [0, 0.0])
+        for r in rows:
+            cats[r["category"]][0] += r["tokens"]
+            cats[r["category"]][1] += r["time_s"]
+        drafted = sum(r["draft_tokens"] for r in rows)
+        arms.append({
+            "name": arm, "prompts": prompts, "n_prompts": len(rows), "tokens": sum(r["tokens"] for r in rows),
+            "tokens_per_second": round(tps, 3),
+            "speedup_vs_plain": round(tps / plain_tps, 3) if plain_tps else None,
+            "acceptance_rate": round(sum(r["accepted_tokens"] for r in rows) / drafted, 3) if drafted else 0.0,
+            "mean_accepted_length": round(sum(r["committed_tokens"] for r in rows) /
+                                          max(1, sum(r["steps"] for r in rows)), 3),
+            "lossless_mismatches": mismatches, "peak_rss_mb": round(peaks.get((prompts, arm), 0.0), 1),
+            "per_category_tokens_per_second": {c: round(t / s, 3) for c, (t, s) in sorted(cats.items())},
+            "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"], "temperature": rows[0]["temperature"],
+            "max_new_tokens": rows[0]["max_new_tokens"],
+        })
+    return {"arms": arms}
+
+
+def table(summary: dict) -> str:
+    lines = ["| prompts | arm | tokens/s | speedup vs plain | acceptance | mean accepted length | mismatches | "
+             "peak RSS MB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for a in summary["arms"]:
+        sp = "-" if a["speedup_vs_plain"] is None else f"{a['speedup_vs_plain']:.2f}x"
+        lines.append(f"| {a['prompts']} | {a['name']} | {a['tokens_per_second']:.2f} | {sp} | "
+                     f"{a['acceptance_rate']:.2f} | {a['mean_accepted_length']:.2f} | {a['lossless_mismatches']} | "
+                     f"{a['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    for arm in a.arms:
+        parse_arm(arm)  # fail before any work
+    if "plain" not in a.arms:
+        a.arms = ["plain"] + a.arms  # every speedup is measured against plain in the same run
+    files = run_arms(a)
+    summary = summarize(files)
+    (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    (Path(a.out) / "summary.md").write_text(table(summary) + "\n")
+    print(json.dumps(summary) if a.json else table(summary))
+    return 1 if any(x["lossless_mismatches"] for x in summary["arms"]) else 0

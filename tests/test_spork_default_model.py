@@ -1,0 +1,40 @@
+"""Keystone on the real default model: spork greedy == plain greedy, token for token, for every drafter, on
+8 MT-bench + 8 HumanEval prompts (128 new tokens for the default drafters; 32 for the ones that are slow on the
+torch engine, whose losslessness is exercised in full on the tiny models)."""
+from __future__ import annotations
+
+import pytest
+
+from spork_trt.config import GenerateConfig, SpecConfig
+from tests.conftest import humaneval_prompts, mt_bench_prompts
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = mt_bench_prompts(8) + humaneval_prompts(8)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_runtime):
+    return [default_runtime.tokenizer.encode_prompt(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain(default_runtime, prompt_ids):
+    cfg = GenerateConfig(max_new_tokens=128)
+    return [default_runtime.generate(ids, cfg, mode="plain").token_ids for ids in prompt_ids]
+
+
+@pytest.mark.parametrize("draft,spec,n", [
+    ("ngram", SpecConfig(draft="ngram", tree_width=3, tree_depth=6, tree_budget=12), 128),
+    ("self-int8", SpecConfig(draft="self-int8", tree_width=2, tree_depth=5, tree_budget=10), 128),
+    ("self-int4", SpecConfig(draft="self-int4", tree_width=1, tree_depth=4, tree_budget=4), 32),
+    ("early-exit:8", SpecConfig(draft="early-exit:8", tree_width=2, tree_depth=3, tree_budget=6), 32),
+])
+def test_spork_equals_plain_on_the_default_model(default_runtime, prompt_ids, plain, draft, spec, n):
+    cfg = GenerateConfig(max_new_tokens=n)
+    accepted = 0
+    for ids, want in zip(prompt_ids, plain):
+        got = default_runtime.generate(ids, cfg, mode="spork", spec=spec)
+        assert got.token_ids == want[:n], (draft, ids[:8])
+        accepted += got.stats.accepted_tokens
+    assert accepted > 0  # the drafter really proposed and had tokens accepted
