@@ -20,7 +20,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/python -m spork_trt generate "$(PROMPT)"
+	$(BIN)/python -m export build
+	$(BIN)/python -m spork_trt generate "$(PROMPT)" --engines engines/default
 
 bench: setup
 	$(BIN)/python -m bench plain

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     add_common(pl)
     pl.set_defaults(limit=8)
     pl.add_argument("--skip-transformers", action="store_true")
+    pl.add_argument("--engines", default=None, help="also time the ONNX Runtime target built in this folder")
     pl.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:

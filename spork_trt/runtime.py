@@ -1,17 +1,20 @@
-"""A loaded target with its tokenizer, engine and draft engines: what the CLI, the server and the bench run on."""
+"""A loaded target with its tokenizer, engine and draft engines: what the CLI, the server and the bench run on.
+
+Two backends behind the same engine interface: `torch` (the reference, from a checkpoint) and `onnx` (ONNX Runtime,
+from engines built by `python -m export build`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from .config import GenerateConfig, SamplingConfig, SpecConfig
+from .config import GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
-from .engines.torch_engine import TorchEngine
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
 from .sampling import make_generator
 from .tokenizer import Tokenizer, load_tokenizer
-from .weights import Checkpoint, load_checkpoint
+from .weights import load_checkpoint
 
 MODES = ("plain", "spork")
 DRAFT_HELP = "ngram | self-int8 | self-int4 | early-exit:N | model:PATH"
@@ -33,40 +36,67 @@ def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
 
 @dataclass
 class Runtime:
-    checkpoint: Checkpoint
+    cfg: ModelConfig
     tokenizer: Tokenizer
-    engine: TorchEngine
-    draft_engines: dict[str, TorchEngine] = field(default_factory=dict)  # built once per draft kind
+    engine: object  # the target engine
+    build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
+    backend: str = "torch"
+    draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
 
     @classmethod
     def load(cls, model: str | Path | None = None) -> "Runtime":
+        """The torch reference engine, from a checkpoint (None: the embedded default)."""
+        from .engines.torch_engine import TorchEngine
+        from .quant import int4_copy, int8_copy
+
         ck = load_checkpoint(model)
         tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
-        return cls(ck, tok, TorchEngine(ck.model))
+
+        def draft_engine(kind: str, arg: str):
+            if kind == "self-int8":
+                return TorchEngine(int8_copy(ck.model))
+            if kind == "self-int4":
+                return TorchEngine(int4_copy(ck.model))
+            if kind == "early-exit":
+                return TorchEngine(ck.model, exit_layer=int(arg))
+            draft = load_checkpoint(arg)
+            check_same_tokenizer(tok, load_tokenizer(draft.path, draft.kind, draft.cfg.eos_token_ids),
+                                 ck.cfg.vocab_size, draft.cfg.vocab_size, arg)
+            return TorchEngine(draft.model)
+
+        return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
+
+    @classmethod
+    def from_engines(cls, engines: str | Path) -> "Runtime":
+        """ONNX Runtime engines built by `python -m export build`."""
+        from .engines.onnx_engine import OnnxEngine
+        from .export import manifest as mf
+
+        d = Path(engines)
+        m = mf.read(d)
+        cfg = mf.spec_config(m["model"])
+        tok = load_tokenizer(d, "hf", cfg.eos_token_ids)
+        built = m["engines"]
+
+        def draft_engine(kind: str, arg: str):
+            if kind in built:
+                return OnnxEngine(d / built[kind]["path"], cfg)
+            if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
+                return OnnxEngine(d / built["verifier"]["path"], cfg, n_layers=int(arg))
+            have = [k for k in built if k.startswith("self-")] + [f"early-exit:{built['verifier']['layers']}"]
+            raise UserError(f"{d} has no engine for --draft {kind}{':' + arg if arg else ''}: built drafts are "
+                            f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
+
+        return cls(cfg, tok, OnnxEngine(d / built["target"]["path"], cfg), draft_engine, "onnx")
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
-        kind, arg = parse_draft(name, self.checkpoint.cfg.n_layers)
+        kind, arg = parse_draft(name, self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
         if name not in self.draft_engines:
             self.draft_engines[name] = self.build_draft_engine(kind, arg)
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
         return ModelDrafter(self.draft_engines[name], sampling, make_generator(seed))
-
-    def build_draft_engine(self, kind: str, arg: str) -> TorchEngine:
-        from .quant import int4_copy, int8_copy
-
-        target = self.checkpoint.model
-        if kind == "self-int8":
-            return TorchEngine(int8_copy(target))
-        if kind == "self-int4":
-            return TorchEngine(int4_copy(target))
-        if kind == "early-exit":
-            return TorchEngine(target, exit_layer=int(arg))
-        draft = load_checkpoint(arg)
-        check_same_tokenizer(self.tokenizer, load_tokenizer(draft.path, draft.kind, draft.cfg.eos_token_ids),
-                             self.checkpoint.cfg.vocab_size, draft.cfg.vocab_size, arg)
-        return TorchEngine(draft.model)
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None) -> GenerationResult:

@@ -61,3 +61,16 @@ def default_runtime():
     from spork_trt.runtime import Runtime
 
     return Runtime.load()
+
+
+@pytest.fixture(scope="session")
+def default_engines(tmp_path_factory):
+    """`python -m export build` of the default model, once per session (about 40 s)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("engines") / "default"
+    r = subprocess.run([sys.executable, "-m", "export", "build", "--out", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr
+    return out

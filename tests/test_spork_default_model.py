@@ -38,3 +38,16 @@ def test_spork_equals_plain_on_the_default_model(default_runtime, prompt_ids, pl
         assert got.token_ids == want[:n], (draft, ids[:8])
         accepted += got.stats.accepted_tokens
     assert accepted > 0  # the drafter really proposed and had tokens accepted
+
+
+@pytest.mark.parametrize("draft,spec", [
+    ("self-int8", SpecConfig(draft="self-int8", tree_width=1, tree_depth=5, tree_budget=5)),
+    ("ngram", SpecConfig(draft="ngram", tree_width=3, tree_depth=6, tree_budget=12)),
+])
+def test_spork_on_onnxruntime_equals_plain_torch(default_engines, prompt_ids, plain, draft, spec):
+    from spork_trt.runtime import Runtime
+
+    rt = Runtime.from_engines(default_engines)
+    cfg = GenerateConfig(max_new_tokens=128)
+    for ids, want in zip(prompt_ids, plain):
+        assert rt.generate(ids, cfg, mode="spork", spec=spec).token_ids == want, (draft, ids[:8])

@@ -1,0 +1,1 @@
+"""`python -m export ...`: a thin CLI over spork_trt.export."""

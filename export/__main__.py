@@ -1,0 +1,87 @@
+"""`python -m export build|inspect`: compile a checkpoint into engines; show what was built."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spork_trt.errors import UserError
+
+EXAMPLES = """examples:
+  python -m export build                                  # the embedded default -> engines/default
+  python -m export build --model path/to/model.gguf --out engines/mymodel --verifier-layers 8
+  python -m export build --precision int8 --draft self-int4 --force
+  python -m export inspect engines/default
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    from spork_trt.export.build import PRECISIONS, BuildConfig
+
+    p = argparse.ArgumentParser(prog="python -m export", epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile target, verifier and draft engines", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
+    b.add_argument("--out", default=str(BuildConfig.out), help="output folder (default: %(default)s)")
+    b.add_argument("--precision", default=BuildConfig.precision, choices=PRECISIONS + ("fp16", "bf16", "fp8"),
+                   help="the target engine's precision (default: %(default)s)")
+    b.add_argument("--draft", action="append", default=None, metavar="KIND",
+                   help="quantized self-drafts to build: self-int8, self-int4 (repeatable; default: both)")
+    b.add_argument("--verifier-layers", type=int, default=BuildConfig.verifier_layers,
+                   help="layers of the early-layer verifier / early-exit draft (default: %(default)s)")
+    b.add_argument("--backend", choices=["onnx", "tensorrt"], default="onnx")
+    b.add_argument("--force", action="store_true", help="rebuild even if the artifacts are up to date")
+    i = sub.add_parser("inspect", help="print a build's manifest readably")
+    i.add_argument("engines", nargs="?", default=str(BuildConfig.out))
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--verify", action="store_true", help="also check every artifact's sha256")
+    return p
+
+
+def inspect(a) -> int:
+    from spork_trt.export import manifest as mf
+
+    d = Path(a.engines)
+    m = mf.read(d)
+    if a.verify:
+        mf.verify_artifacts(d, m)
+    if a.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    spec = m["model"]
+    print(f"{d}: {spec['family']} {spec['n_layers']} layers, hidden {spec['dim']}, heads {spec['n_heads']}/"
+          f"{spec['n_kv_heads']} kv, vocab {spec['vocab_size']}, context {spec['max_seq_len']}")
+    print(f"source: {m['source']['path']} ({m['source']['kind']}, sha256 {m['source']['sha256'][:12]})")
+    print(f"backend: {m['backend']}; drafters: {', '.join(m['drafters'])}")
+    for role, e in m["engines"].items():
+        size = m["artifacts"].get(e["path"] + ".data", m["artifacts"].get(e["path"], {})).get("bytes", 0)
+        print(f"  {role:10} {e['path']:20} {e['precision']:5} {e['layers']:3} layers  {size / 1e6:8.1f} MB")
+    print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
+    if a.verify:
+        print(f"all {len(m['artifacts'])} artifacts match their sha256")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        a = parser().parse_args(argv)
+        if a.command == "inspect":
+            return inspect(a)
+        from spork_trt.export.build import BuildConfig, build
+
+        if a.precision in ("fp16", "bf16", "fp8"):
+            raise UserError(f"--precision {a.precision} targets TensorRT/GPU engines, which this build cannot make "
+                            "here: use fp32, int8 or int4 for ONNX Runtime CPU")
+        drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
+        build(BuildConfig(model=a.model, out=Path(a.out), precision=a.precision, drafts=drafts,
+                          verifier_layers=a.verifier_layers, backend=a.backend, force=a.force))
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""ONNX Runtime engine: same interface as the torch engine, KV cache in preallocated numpy buffers bound with IO
+binding. Past rows are bound in place (a contiguous prefix of each layer's buffer) and ONNX Runtime writes the new
+rows straight after them, so the bytes moved per step do not depend on the context length."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import io_spec
+from ..config import ModelConfig
+
+
+def session_options(optimized_cache: Path | None = None, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.inter_op_num_threads = 1
+    # target and draft sessions take turns on the same cores: a pool that spin-waits after its run would steal
+    # the cores the other session needs next
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized_cache is not None:
+        so.optimized_model_filepath = str(optimized_cache)
+    return so
+
+
+class OnnxEngine:
+    def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
+                 session=None) -> None:
+        import onnxruntime as ort
+
+        self._cfg = cfg
+        self.n_layers = cfg.n_layers if n_layers is None else n_layers
+        self.session = session or ort.InferenceSession(str(path), session_options(),
+                                                       providers=["CPUExecutionProvider"])
+        self.names = io_spec.kv_names(self.n_layers)
+        self.max_new = max_new  # most new tokens per forward (logits buffer rows)
+        self.k = self.v = None  # [L, 1, Smax, Hkv, D] each
+        self.logits = np.zeros((1, max_new, cfg.vocab_size), dtype=np.float32)  # [1, Tmax, V]
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self._cfg
+
+    def reset(self, max_len: int) -> None:
+        if self.k is None or self.k.shape[2] < max_len:
+            shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
+            self.k, self.v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.length = self.pending = 0
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V]."""
+        t = input_ids.shape[1]
+        past = self.length + self.pending
+        assert input_ids.shape[0] == 1, "the ONNX Runtime engine runs batch 1 per sequence"
+        assert mask.shape[-1] == past + t, (mask.shape, past)
+        if past + t > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {past + t} positions needed, {self.k.shape[2]} allocated")
+        if t > self.logits.shape[1]:
+            self.logits = np.zeros((1, t, self._cfg.vocab_size), dtype=np.float32)
+        io = self.session.io_binding()
+        feeds = {"input_ids": np.ascontiguousarray(input_ids.numpy(), dtype=np.int64),
+                 "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
+                 "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_)}
+        for name, arr in feeds.items():
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
+        for layer, (pk, pv, nk, nv) in enumerate(self.names):
+            for buf, pname, nname in ((self.k, pk, nk), (self.v, pv, nv)):
+                rows = buf[layer, 0]  # [Smax, Hkv, D], contiguous
+                io.bind_input(pname, "cpu", 0, np.float32, (1, past, hkv, d), rows[:past].ctypes.data)
+                io.bind_output(nname, "cpu", 0, np.float32, (1, t, hkv, d), rows[past:past + t].ctypes.data)
+        logits = self.logits[:, :t]
+        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        self.pending += t
+        return torch.from_numpy(logits.copy())
+
+    def commit(self, rows: list[int] | None = None) -> None:
+        if rows is None:
+            self.length += self.pending
+        elif rows:
+            assert all(0 <= a < b for a, b in zip(rows, rows[1:])) and rows[-1] < self.pending, rows
+            if rows != list(range(len(rows))):
+                src = np.asarray(rows) + self.length
+                dst = slice(self.length, self.length + len(rows))
+                self.k[:, :, dst] = self.k[:, :, src]  # fancy indexing copies first: overlap is safe
+                self.v[:, :, dst] = self.v[:, :, src]
+            self.length += len(rows)
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length, self.pending = length, 0

@@ -1,0 +1,1 @@
+"""Export: our reference model -> ONNX graphs (+ quantized variants) -> engines/<name>/ with a manifest."""

@@ -1,0 +1,74 @@
+"""engines/<name>/manifest.json: what was built, from what, with which tools; runtimes refuse a mismatch."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..config import ModelConfig, RopeScaling
+from ..errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tool_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import torch
+
+    from .. import __version__
+
+    return {"spork_trt": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__}
+
+
+def model_spec(cfg: ModelConfig) -> dict:
+    d = asdict(cfg)
+    d["family"] = "llama"
+    return d
+
+
+def spec_config(d: dict) -> ModelConfig:
+    d = {k: v for k, v in d.items() if k != "family"}
+    if d.get("rope_scaling"):
+        rs = dict(d["rope_scaling"])
+        rs["factors"] = tuple(rs.get("factors", ()))
+        d["rope_scaling"] = RopeScaling(**rs)
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return ModelConfig(**d)
+
+
+def write(out: Path, manifest: dict) -> Path:
+    path = out / MANIFEST
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def read(engines: Path) -> dict:
+    path = engines / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{engines} has no {MANIFEST}: build engines first with `python -m export build --out "
+                        f"{engines}`")
+    m = json.loads(path.read_text())
+    if m.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path} has format_version {m.get('format_version')}, this runtime reads "
+                        f"{FORMAT_VERSION}: rebuild with `python -m export build --out {engines} --force`")
+    return m
+
+
+def verify_artifacts(engines: Path, manifest: dict) -> None:
+    """Check every artifact's sha256 against the manifest (slow for big files: used by `inspect --verify`)."""
+    for name, entry in manifest["artifacts"].items():
+        p = engines / name
+        if not p.is_file() or sha256(p) != entry["sha256"]:
+            raise UserError(f"{p} is missing or does not match its manifest hash: rebuild with --force")

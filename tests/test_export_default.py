@@ -1,0 +1,63 @@
+"""`python -m export build` on the real default model, and the ONNX Runtime engine's parity with the torch engine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spork_trt.engines.onnx_engine import OnnxEngine
+from spork_trt.model import causal_mask
+from tests.conftest import mt_bench_prompts
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_build_writes_manifest_and_is_idempotent(default_engines):
+    m = json.loads((default_engines / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["model"]["n_layers"] == 30 and m["model"]["family"] == "llama"
+    assert set(m["engines"]) == {"target", "verifier", "self-int8", "self-int4"}
+    for name in ("target.onnx", "verifier.onnx", "draft_int8.onnx", "draft_int4.onnx", "tokenizer.json"):
+        assert name in m["artifacts"] and len(m["artifacts"][name]["sha256"]) == 64
+    assert len(m["source"]["sha256"]) == 64 and "onnxruntime" in m["tools"]
+    again = run("export", "build", "--out", str(default_engines))
+    assert again.returncode == 0 and "up to date" in again.stderr
+    shown = run("export", "inspect", str(default_engines), "--verify")
+    assert shown.returncode == 0 and "target.onnx" in shown.stdout and "match their sha256" in shown.stdout
+
+
+def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_checkpoint, default_tokenizer):
+    ids = (default_tokenizer.encode_prompt(mt_bench_prompts(1)[0]) * 4)[:64]
+    engine = OnnxEngine(default_engines / "target.onnx", default_checkpoint.cfg)
+    engine.reset(80)
+    got = engine.forward(torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64))
+    with torch.no_grad():
+        want = default_checkpoint.model(torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64)).logits
+    assert (got - want).abs().max() <= 1e-3
+
+
+def test_generate_uses_built_engines(default_engines):
+    r = run("spork_trt", "generate", "What is the capital of France?", "--engines", str(default_engines),
+            "--draft", "self-int8", "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"] and out["stats"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["export", "build", "--verifier-layers", "30", "--out", "/tmp/spork-never"], "--verifier-layers must be in"),
+    (["export", "build", "--backend", "tensorrt"], "tensorrt"),
+    (["export", "build", "--precision", "fp8"], "TensorRT/GPU"),
+    (["export", "inspect", "/no/such/engines"], "has no manifest.json"),
+    (["spork_trt", "generate", "hi", "--engines", "/no/such/engines"], "has no manifest.json"),
+])
+def test_export_bad_input_is_one_line(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 or r.stderr.count("error:") == 1
