@@ -5,7 +5,7 @@ from spork_trt.errors import UserError
 
 EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
-  python -m bench run --prompts humaneval --max-new-tokens 64 --json
+  python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
@@ -18,6 +18,7 @@ def add_common(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--engines", default=None, help="ONNX Runtime engines folder (default: the torch engine)")
 
 
 def main(argv=None) -> int:
@@ -39,7 +40,6 @@ def main(argv=None) -> int:
     add_common(pl)
     pl.set_defaults(limit=8)
     pl.add_argument("--skip-transformers", action="store_true")
-    pl.add_argument("--engines", default=None, help="also time the ONNX Runtime target built in this folder")
     pl.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:

@@ -26,6 +26,7 @@ def run_arms(a) -> list[Path]:
                    "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--out", str(f)]
             cmd += ["--limit", str(a.limit)] if a.limit else []
             cmd += ["--model", a.model] if a.model else []
+            cmd += ["--engines", a.engines] if a.engines else []
             cmd += ["--seed", str(a.seed)] if a.seed is not None else []
             print(f"[bench] {prompts} / {arm}", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True)
@@ -70,18 +71,19 @@ def summarize(files: list[Path]) -> dict:
                                           max(1, sum(r["steps"] for r in rows)), 3),
             "lossless_mismatches": mismatches, "peak_rss_mb": round(peaks.get((prompts, arm), 0.0), 1),
             "per_category_tokens_per_second": {c: round(t / s, 3) for c, (t, s) in sorted(cats.items())},
-            "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"], "temperature": rows[0]["temperature"],
+            "backend": rows[0]["backend"], "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"],
+            "temperature": rows[0]["temperature"],
             "max_new_tokens": rows[0]["max_new_tokens"],
         })
     return {"arms": arms}
 
 
 def table(summary: dict) -> str:
-    lines = ["| prompts | arm | tokens/s | speedup vs plain | acceptance | mean accepted length | mismatches | "
-             "peak RSS MB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| prompts | backend | arm | tokens/s | speedup vs plain | acceptance | mean accepted length "
+             "| mismatches | peak RSS MB |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for a in summary["arms"]:
         sp = "-" if a["speedup_vs_plain"] is None else f"{a['speedup_vs_plain']:.2f}x"
-        lines.append(f"| {a['prompts']} | {a['name']} | {a['tokens_per_second']:.2f} | {sp} | "
+        lines.append(f"| {a['prompts']} | {a['backend']} | {a['name']} | {a['tokens_per_second']:.2f} | {sp} | "
                      f"{a['acceptance_rate']:.2f} | {a['mean_accepted_length']:.2f} | {a['lossless_mismatches']} | "
                      f"{a['peak_rss_mb']:.0f} |")
     return "\n".join(lines)

@@ -24,12 +24,12 @@ def main(a) -> int:
     from tqdm import tqdm
 
     arm = parse_arm(a.arm)
-    rt = Runtime.load(a.model)
+    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
     rows = load_prompts(a.prompts, a.limit)
     cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(temperature=a.temperature,
                                                                                   seed=a.seed))
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-              "arm": arm.name, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
+              "arm": arm.name, "backend": rt.backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
               "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode == "spork" else None}
     ids = [rt.tokenizer.encode_prompt(r["prompt"]) for r in rows]
     rt.generate(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling), arm.mode, arm.spec)  # warm-up

@@ -42,7 +42,8 @@ def build(cfg: BuildConfig) -> Path:
 
         require_tensorrt()
     if cfg.precision not in PRECISIONS:
-        raise UserError(f"--precision {cfg.precision} is not buildable for ONNX Runtime CPU: use {', '.join(PRECISIONS)}")
+        raise UserError(f"--precision {cfg.precision} is not buildable for ONNX Runtime CPU: "
+                        f"use {', '.join(PRECISIONS)}")
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     source = Path(cfg.model) if cfg.model else default_gguf_path()
