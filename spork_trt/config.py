@@ -66,14 +66,28 @@ class GenerateConfig:
     stop_strings: tuple[str, ...] = ()
 
 
+# Tree shape (width, depth, budget) per drafter kind, from `python -m bench run` (README): model drafters pay per
+# depth, so they draft chains; the n-gram drafter is free, so it drafts a wider tree.
+DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "ngram": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4), "model": (1, 4, 4),
+}
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
     draft: str = "ngram"  # ngram | self-int8 | self-int4 | early-exit:N | model:PATH
-    tree_width: int = 2  # K: top-K children (forks) per expanded node, and nodes kept per depth
-    tree_depth: int = 5  # M: draft depth
-    tree_budget: int = 12  # N: most draft nodes per step
+    tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
+    tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
+    tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step
     fail_limit: int = 3  # consecutive steps with nothing accepted before falling back to plain decoding
     cooldown: int = 4  # plain steps before probing speculation again
     ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)
+
+    @classmethod
+    def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,
+                  budget: int | None = None) -> "SpecConfig":
+        """The drafter's measured default shape, with any of width/depth/budget overridden."""
+        k, m, n = DRAFT_SHAPES.get(draft.partition(":")[0], DRAFT_SHAPES["ngram"])
+        return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n)

@@ -12,28 +12,15 @@ import torch
 from .config import ModelConfig
 
 
-class KVCache:
-    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, n_layers: int | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        layers = cfg.n_layers if n_layers is None else n_layers
-        shape = (layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)  # [L, B, Hkv, Smax, D]
-        self.v = torch.zeros(shape, dtype=dtype)  # [L, B, Hkv, Smax, D]
-        self.max_len = max_len
+class Rows:
+    """Committed/pending row bookkeeping over a key and a value buffer (torch or numpy) whose position axis is
+    `axis`: the part every engine's cache shares."""
+
+    def __init__(self, k, v, axis: int) -> None:
+        self.k, self.v, self.axis = k, v, axis
+        self.max_len = k.shape[axis]
         self.length = 0  # committed rows
         self.pending = 0  # rows written past `length` since the last commit
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] after the pending rows; return views [B, Hkv, S, D], S = length + pending + T.
-        Every layer of one forward writes the same rows; the engine calls `written(T)` after the forward."""
-        t = k.shape[2]
-        start = self.length + self.pending
-        end = start + t
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def written(self, t: int) -> None:
         """A forward stored T rows after the pending ones: they are pending now."""
@@ -46,10 +33,11 @@ class KVCache:
         elif rows:
             assert all(0 <= a < b for a, b in zip(rows, rows[1:])) and rows[-1] < self.pending, rows
             if rows != list(range(len(rows))):
-                src = torch.tensor(rows) + self.length
-                dst = slice(self.length, self.length + len(rows))
-                self.k[:, :, :, dst] = self.k[:, :, :, src]  # index gather copies first, so overlap is safe
-                self.v[:, :, :, dst] = self.v[:, :, :, src]
+                lead = (slice(None),) * self.axis
+                src = lead + ([r + self.length for r in rows],)
+                dst = lead + (slice(self.length, self.length + len(rows)),)
+                self.k[dst] = self.k[src]  # the index gather copies first, so overlapping rows are safe
+                self.v[dst] = self.v[src]
             self.length += len(rows)
         self.pending = 0
 
@@ -57,3 +45,25 @@ class KVCache:
         """Roll back to `length` committed rows."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length, self.pending = length, 0
+
+
+class KVCache(Rows):
+    """The torch engine's cache: [L, B, Hkv, Smax, D] buffers, attention reads a view of the first S rows."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, n_layers: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        layers = cfg.n_layers if n_layers is None else n_layers
+        shape = (layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        super().__init__(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), axis=3)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] after the pending rows; return views [B, Hkv, S, D], S = length + pending + T.
+        Every layer of one forward writes the same rows; the engine calls `written(T)` after the forward."""
+        t = k.shape[2]
+        start = self.length + self.pending
+        end = start + t
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} positions needed, {self.max_len} allocated")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]

@@ -23,6 +23,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--model", "pyproject.toml"], "unknown model format"),
     (["generate", "hi", "--mode", "warp"], "invalid choice"),
     (["generate"], "required: prompt"),
+    (["generate", "hi", "--tree-width", "0"], "--tree-width must be in 1..64"),
+    (["generate", "hi", "--draft", "bogus"], "unknown --draft 'bogus'"),
+    (["generate", "hi", "--draft", "early-exit:99"], "needs N in 1..29"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = run(*args)

@@ -11,6 +11,7 @@ import torch
 
 from .. import io_spec
 from ..config import ModelConfig
+from ..kv_cache import Rows
 
 
 def session_options(optimized_cache: Path | None = None, threads: int | None = None):
@@ -39,29 +40,37 @@ class OnnxEngine:
                                                        providers=["CPUExecutionProvider"])
         self.names = io_spec.kv_names(self.n_layers)
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
-        self.k = self.v = None  # [L, 1, Smax, Hkv, D] each
+        self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
         self.logits = np.zeros((1, max_new, cfg.vocab_size), dtype=np.float32)  # [1, Tmax, V]
-        self.length = 0
-        self.pending = 0
 
     @property
     def cfg(self) -> ModelConfig:
         return self._cfg
 
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.cache is None else self.cache.pending
+
     def reset(self, max_len: int) -> None:
-        if self.k is None or self.k.shape[2] < max_len:
+        if self.cache is None or self.cache.max_len < max_len:
             shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
-            self.k, self.v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        self.length = self.pending = 0
+            self.cache = Rows(np.zeros(shape, np.float32), np.zeros(shape, np.float32), axis=2)
+        self.cache.truncate(0)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V]."""
         t = input_ids.shape[1]
-        past = self.length + self.pending
+        c = self.cache
+        assert c is not None, "call reset() first"
+        past = c.length + c.pending
         assert input_ids.shape[0] == 1, "the ONNX Runtime engine runs batch 1 per sequence"
         assert mask.shape[-1] == past + t, (mask.shape, past)
-        if past + t > self.k.shape[2]:
-            raise ValueError(f"KV cache full: {past + t} positions needed, {self.k.shape[2]} allocated")
+        if past + t > c.max_len:
+            raise ValueError(f"KV cache full: {past + t} positions needed, {c.max_len} allocated")
         if t > self.logits.shape[1]:
             self.logits = np.zeros((1, t, self._cfg.vocab_size), dtype=np.float32)
         io = self.session.io_binding()
@@ -72,29 +81,18 @@ class OnnxEngine:
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
-            for buf, pname, nname in ((self.k, pk, nk), (self.v, pv, nv)):
+            for buf, pname, nname in ((c.k, pk, nk), (c.v, pv, nv)):
                 rows = buf[layer, 0]  # [Smax, Hkv, D], contiguous
                 io.bind_input(pname, "cpu", 0, np.float32, (1, past, hkv, d), rows[:past].ctypes.data)
                 io.bind_output(nname, "cpu", 0, np.float32, (1, t, hkv, d), rows[past:past + t].ctypes.data)
         logits = self.logits[:, :t]
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self.session.run_with_iobinding(io)
-        self.pending += t
+        c.written(t)
         return torch.from_numpy(logits.copy())
 
     def commit(self, rows: list[int] | None = None) -> None:
-        if rows is None:
-            self.length += self.pending
-        elif rows:
-            assert all(0 <= a < b for a, b in zip(rows, rows[1:])) and rows[-1] < self.pending, rows
-            if rows != list(range(len(rows))):
-                src = np.asarray(rows) + self.length
-                dst = slice(self.length, self.length + len(rows))
-                self.k[:, :, dst] = self.k[:, :, src]  # fancy indexing copies first: overlap is safe
-                self.v[:, :, dst] = self.v[:, :, src]
-            self.length += len(rows)
-        self.pending = 0
+        self.cache.commit(rows)
 
     def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length, self.pending = length, 0
+        self.cache.truncate(length)
