@@ -37,7 +37,8 @@ def build_parser() -> Parser:
     g.add_argument("--mode", choices=["spork", "plain"], default="spork",
                    help="spork: lossless tree speculative decoding; plain: one token per step (default: spork)")
     g.add_argument("--draft", default=SpecConfig.draft,
-                   help="ngram | self-int8 | self-int4 | early-exit:N | model:PATH (default: %(default)s)")
+                   help="ngram | hybrid (ngram, else self-int8) | self-int8 | self-int4 | early-exit:N | "
+                        "model:PATH (default: %(default)s)")
     g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
     g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")
     g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per step (default: per drafter)")

@@ -70,6 +70,7 @@ class GenerateConfig:
 # depth, so they draft chains; the n-gram drafter is free, so it drafts a wider tree.
 DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
     "ngram": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4), "model": (1, 4, 4),
+    "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
 }
 
 
@@ -77,13 +78,14 @@ DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
-    draft: str = "ngram"  # ngram | self-int8 | self-int4 | early-exit:N | model:PATH
+    draft: str = "ngram"  # ngram | hybrid | self-int8 | self-int4 | early-exit:N | model:PATH
     tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
     tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
     tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step
     fail_limit: int = 3  # consecutive steps with nothing accepted before falling back to plain decoding
     cooldown: int = 4  # plain steps before probing speculation again
     ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)
+    hybrid_min_match: int = 3  # the hybrid drafter uses n-gram drafts only for suffix matches this long
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,

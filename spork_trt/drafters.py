@@ -8,7 +8,8 @@
 Model drafters (a separate draft model, a quantized copy of the target, the target's first N layers) grow a
 dynamic tree: per depth, the top-K children of every node of the previous depth, keeping the K with the highest
 cumulative draft probability (within the node budget); one batched draft forward per depth. The n-gram drafter
-looks the recent suffix up in prompt + output; distinct continuations become forks.
+looks the recent suffix up in prompt + output; distinct continuations become forks. The hybrid drafter uses
+the n-gram drafter when the context repeats itself and a model drafter otherwise.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .config import SamplingConfig, SpecConfig
-from .model import causal_mask
+from .engines import forward_chain, prefill
 from .sampling import processed_probs
 from .tree import DraftTree
 from .verify import Verdict
@@ -49,17 +50,14 @@ class ModelDrafter:
 
     def reset(self, prompt_ids: list[int], max_len: int) -> None:
         self.engine.reset(max_len)
-        n = len(prompt_ids)
-        self.engine.forward(torch.tensor([prompt_ids]), torch.arange(n)[None], causal_mask(0, n))
-        self.engine.commit()
+        prefill(self.engine, prompt_ids)
         self.behind, self.rows = [], {}
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         eng = self.engine
         base = eng.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
-        logits = eng.forward(torch.tensor([run]), torch.arange(base, base + len(run))[None],
-                             causal_mask(base, len(run)))[0, -1:]  # [1, V]
+        logits = forward_chain(eng, run)[-1:]  # [1, V]
         tokens, parents, logp, q_rows = [root], [-1], [0.0], [None]
         self.rows = {0: len(run) - 1}
         level = [0]
@@ -149,6 +147,7 @@ class NgramDrafter:
     """Prompt lookup: continuations of the latest matches of the context's suffix (longest n first)."""
 
     max_n: int = 4
+    min_n: int = 1  # shortest suffix worth matching
     context: list[int] = field(default_factory=list)
 
     def reset(self, prompt_ids: list[int], max_len: int) -> None:
@@ -157,7 +156,7 @@ class NgramDrafter:
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         ctx = self.context + [root]
         conts: list[list[int]] = []
-        for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
+        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             suffix = ctx[-n:]
             for i in range(len(ctx) - n - 1, -1, -1):  # latest match first
                 if ctx[i:i + n] == suffix:
@@ -170,6 +169,28 @@ class NgramDrafter:
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.context += [tree.tokens[i] for i in verdict.path]
+
+
+@dataclass
+class HybridDrafter:
+    """Prompt lookup when the context repeats itself (a suffix of at least `ngram.min_n` tokens recurs: free and
+    likely right), the model drafter otherwise. Both follow every commit."""
+
+    ngram: NgramDrafter
+    model: ModelDrafter
+    model_spec: SpecConfig  # the model drafter's own tree shape
+
+    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+        self.ngram.reset(prompt_ids, max_len)
+        self.model.reset(prompt_ids, max_len)
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        tree = self.ngram.propose(root, spec)
+        return tree if len(tree) > 1 else self.model.propose(root, self.model_spec)
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        self.ngram.commit(tree, verdict)
+        self.model.commit(tree, verdict)  # without a proposal of its own this step, it catches up next time
 
 
 def trie(root: int, continuations: list[list[int]], budget: int) -> DraftTree:

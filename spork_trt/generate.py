@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 
 from .config import GenerateConfig, SpecConfig
+from .engines import prefill
 from .errors import UserError
-from .model import causal_mask
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Recovery
 from .stats import Stats
@@ -36,14 +36,6 @@ def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
     if prompt_len >= context:
         raise UserError(f"the prompt has {prompt_len} tokens but the context window is {context}: shorten it")
     return min(cfg.max_new_tokens, context - prompt_len)
-
-
-def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:
-    """Run the prompt through the engine and commit it; returns the logits [V] at the last prompt position."""
-    n = len(prompt_ids)
-    logits = engine.forward(torch.tensor([prompt_ids]), torch.arange(n)[None], causal_mask(0, n))
-    engine.commit()
-    return logits[0, -1]
 
 
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
 from .sampling import make_generator
@@ -17,13 +17,13 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .weights import load_checkpoint
 
 MODES = ("plain", "spork")
-DRAFT_HELP = "ngram | self-int8 | self-int4 | early-exit:N | model:PATH"
+DRAFT_HELP = "ngram | hybrid | self-int8 | self-int4 | early-exit:N | model:PATH"
 
 
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in ("ngram", "self-int8", "self-int4") and not arg:
+    if kind in ("ngram", "hybrid", "self-int8", "self-int4") and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -93,6 +93,9 @@ class Runtime:
         kind, arg = parse_draft(name, self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
+        if kind == "hybrid":
+            ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
+            return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
         if name not in self.draft_engines:
             self.draft_engines[name] = self.build_draft_engine(kind, arg)
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream

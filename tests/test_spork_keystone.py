@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.drafters import ModelDrafter, NgramDrafter
+from spork_trt.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.generate import generate
 from spork_trt.quant import int4_copy, int8_copy
@@ -26,6 +26,9 @@ def drafter_for(kind: str, target):
     gen = torch.Generator().manual_seed(0)
     if kind == "ngram":
         return NgramDrafter(4)
+    if kind == "hybrid":  # n-gram on repeats of 2+ tokens, else the INT4 copy drafting chains of 3
+        model_spec = SpecConfig(tree_width=1, tree_depth=3, tree_budget=3)
+        return HybridDrafter(NgramDrafter(4, 2), drafter_for("self-int4", target), model_spec)
     model = {
         "perfect": lambda: target,
         "self-int8": lambda: int8_copy(target),
@@ -44,7 +47,7 @@ def run(target, prompt, n, drafter=None, spec=SpecConfig()):
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
+@pytest.mark.parametrize("kind", ["ngram", "hybrid", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
 @pytest.mark.parametrize("width,depth", [(1, 1), (1, 4), (1, 8), (2, 3), (3, 5), (4, 8), (4, 2)])
 def test_spork_greedy_equals_plain_greedy(target, kind, width, depth):
     spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=max(1, width * depth - 1))

@@ -8,3 +8,20 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   truncate(length)                                 roll back to `length` committed rows
   length, pending                                  committed rows; rows written since the last commit
 """
+
+import torch
+
+from ..model import causal_mask
+
+
+def forward_chain(engine, ids: list[int]) -> torch.Tensor:
+    """Run tokens as one causal chain after every row the engine holds; returns logits [T, V] (rows stay pending)."""
+    base, n = engine.length + engine.pending, len(ids)
+    return engine.forward(torch.tensor([ids]), torch.arange(base, base + n)[None], causal_mask(base, n))[0]
+
+
+def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:
+    """Run a prompt and commit it; returns the last position's logits [V]."""
+    logits = forward_chain(engine, prompt_ids)
+    engine.commit()
+    return logits[-1]
