@@ -74,7 +74,7 @@ class ModelDrafter:
                 parents.append(parent)
                 logp.append(score)
                 q_rows.append(q)
-            if depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
+            if not level or depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
                 break
             logits = self.forward_level(level, tokens, parents, base)  # [len(level), V]
         q = None
@@ -86,7 +86,7 @@ class ModelDrafter:
         """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
         Returns (cumulative log prob, parent, token, None) in rank order."""
         lp = torch.log_softmax(logits.float(), -1)  # [L, V]
-        top = torch.topk(lp, k, dim=-1)
+        top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
         cands = [(logp[node] + v, node, t, None) for j, node in enumerate(level)
                  for v, t in zip(top.values[j].tolist(), top.indices[j].tolist())]
         return sorted(cands, key=lambda c: -c[0])[:slots]

@@ -9,9 +9,41 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   length, pending                                  committed rows; rows written since the last commit
 """
 
+from abc import ABC, abstractmethod
+
 import torch
 
+from ..kv_cache import Rows
 from ..model import causal_mask
+
+
+class CachedEngine(ABC):
+    """What every engine shares: KV row bookkeeping, delegated to its cache (a kv_cache.Rows)."""
+
+    cache: Rows | None = None
+
+    @abstractmethod
+    def make_cache(self, max_len: int) -> Rows:
+        """Preallocated buffers for `max_len` positions."""
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.cache is None else self.cache.pending
+
+    def reset(self, max_len: int) -> None:
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.make_cache(max_len)
+        self.cache.truncate(0)
+
+    def commit(self, rows: list[int] | None = None) -> None:
+        self.cache.commit(rows)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
 
 
 def forward_chain(engine, ids: list[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from .. import io_spec
 from ..config import ModelConfig
 from ..kv_cache import Rows
+from . import CachedEngine
 
 
 def session_options(optimized_cache: Path | None = None, threads: int | None = None):
@@ -29,7 +30,7 @@ def session_options(optimized_cache: Path | None = None, threads: int | None = N
     return so
 
 
-class OnnxEngine:
+class OnnxEngine(CachedEngine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
                  session=None) -> None:
         import onnxruntime as ort
@@ -47,19 +48,9 @@ class OnnxEngine:
     def cfg(self) -> ModelConfig:
         return self._cfg
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.cache is None else self.cache.pending
-
-    def reset(self, max_len: int) -> None:
-        if self.cache is None or self.cache.max_len < max_len:
-            shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
-            self.cache = Rows(np.zeros(shape, np.float32), np.zeros(shape, np.float32), axis=2)
-        self.cache.truncate(0)
+    def make_cache(self, max_len: int) -> Rows:
+        shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
+        return Rows(np.zeros(shape, np.float32), np.zeros(shape, np.float32), axis=2)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V]."""
@@ -90,9 +81,3 @@ class OnnxEngine:
         self.session.run_with_iobinding(io)
         c.written(t)
         return torch.from_numpy(logits.copy())
-
-    def commit(self, rows: list[int] | None = None) -> None:
-        self.cache.commit(rows)
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)

@@ -6,9 +6,10 @@ import torch
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 from ..model import Transformer
+from . import CachedEngine
 
 
-class TorchEngine:
+class TorchEngine(CachedEngine):
     def __init__(self, model: Transformer, exit_layer: int | None = None) -> None:
         self.model = model.eval()
         self.exit_layer = exit_layer  # run only the first N layers (early-exit drafting)
@@ -18,18 +19,8 @@ class TorchEngine:
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.cache is None else self.cache.pending
-
-    def reset(self, max_len: int) -> None:
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = KVCache(self.cfg, max_len, n_layers=self.exit_layer)
-        self.cache.truncate(0)
+    def make_cache(self, max_len: int) -> KVCache:
+        return KVCache(self.cfg, max_len, n_layers=self.exit_layer)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -40,9 +31,3 @@ class TorchEngine:
         logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer).logits
         c.written(input_ids.shape[1])
         return logits
-
-    def commit(self, rows: list[int] | None = None) -> None:
-        self.cache.commit(rows)
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
