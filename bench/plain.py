@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from spork_trt.generate import generate
 from spork_trt.tokenizer import load_tokenizer
 from spork_trt.weights import Checkpoint, load_checkpoint
 
-from .prompts import load_prompts
+from .prompts import git_sha, load_prompts
 
 
 @dataclass
@@ -115,8 +114,3 @@ def main(args) -> int:
         print(f"{a['name']:36} {a['tokens']:>7} {a['time_s']:>8.2f} {a['tokens_per_second']:>9.2f} "
               f"{a['fraction_of_bound']:>9.1%}")
     return 0
-
-
-def git_sha() -> str:  # noqa: D103
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"

@@ -27,6 +27,14 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     return out[:limit] if limit else out
 
 
+def git_sha() -> str:
+    """The short sha every benchmark record carries."""
+    import subprocess
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"prompt file {path} not found: use mt_bench, humaneval or a JSONL path")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import platform
 import resource
-import subprocess
 import sys
 import time
 
@@ -12,12 +11,7 @@ from spork_trt.config import GenerateConfig, SamplingConfig
 from spork_trt.runtime import Runtime
 
 from .arms import parse_arm
-from .prompts import load_prompts
-
-
-def git_sha() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+from .prompts import git_sha, load_prompts
 
 
 def main(a) -> int:

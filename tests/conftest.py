@@ -49,11 +49,9 @@ def mt_bench_prompts(n: int) -> list[str]:
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    import gzip
+    from bench.prompts import load_prompts
 
-    with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    return ["Complete the following Python function:\n" + r["prompt"] for r in rows[:n]]
+    return [r["prompt"] for r in load_prompts("humaneval", n)]
 
 
 @pytest.fixture(scope="session")
