@@ -19,9 +19,11 @@ $(STAMP): requirements.txt pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q
 
+# the main job: build the default engines (reused when up to date), render the Triton repository, start Triton,
+# stream one answer through tritonclient with its speculation stats, shut the server down
 demo: setup
 	$(BIN)/python -m export build
-	$(BIN)/python -m spork_trt generate "$(PROMPT)" --engines engines/default
+	$(BIN)/python -m spork_trt demo "$(PROMPT)"
 
 bench: setup
 	$(BIN)/python -m bench plain

@@ -1,4 +1,5 @@
-"""`python -m export build|inspect`: compile a checkpoint into engines; show what was built."""
+"""`python -m export build|inspect|triton`: compile a checkpoint into engines; show what was built; render the
+Triton model repository."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ EXAMPLES = """examples:
   python -m export build --model path/to/model.gguf --out engines/mymodel --verifier-layers 8
   python -m export build --precision int8 --draft self-int4 --force
   python -m export inspect engines/default
+  python -m export triton                                 # engines/default/triton_repo (cpu profile)
+  python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
 """
 
 
@@ -38,7 +41,26 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("engines", nargs="?", default=str(BuildConfig.out))
     i.add_argument("--json", action="store_true")
     i.add_argument("--verify", action="store_true", help="also check every artifact's sha256")
+    t = sub.add_parser("triton", help="render a ready-to-serve Triton model repository from a build",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
+    t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
+    t.add_argument("--profile", choices=["cpu", "gpu"], default="cpu",
+                   help="cpu: ONNX Runtime CPU; gpu: TensorRT/CUDA execution providers, KIND_GPU (unverified)")
+    t.add_argument("--instances", type=int, default=1, help="spork model instances (default: %(default)s)")
+    t.add_argument("--max-concurrency", type=int, default=8,
+                   help="requests one spork instance runs at once, each on its own KV cache (default: %(default)s)")
+    t.add_argument("--draft", default="ngram", help="the drafter the server uses (default: %(default)s)")
     return p
+
+
+def triton(a) -> int:
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances,
+                             a.max_concurrency, a.draft))
+    print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
+    return 0
 
 
 def inspect(a) -> int:
@@ -70,6 +92,8 @@ def main(argv=None) -> int:
         a = parser().parse_args(argv)
         if a.command == "inspect":
             return inspect(a)
+        if a.command == "triton":
+            return triton(a)
         from spork_trt.export.build import BuildConfig, build
 
         if a.precision in ("fp16", "bf16", "fp8"):

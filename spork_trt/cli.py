@@ -23,7 +23,7 @@ GENERATE_EXAMPLES = """examples:
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad usage as one line (`error: ...`) and exit code 2."""
 
-    def error(self, message: str):  # noqa: D102 - argparse hook
+    def error(self, message: str):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -55,6 +55,9 @@ def build_parser() -> Parser:
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    from .serving_cli import add_serving_commands
+
+    add_serving_commands(sub)
     return p
 
 
@@ -95,8 +98,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     stream = None
     if not a.json:
         dec = StreamDecoder(rt.tokenizer)
-        stream = lambda ids: print(dec.feed(ids), end="", flush=True)  # noqa: E731
+        stream = lambda ids: print(dec.feed(ids), end="", flush=True)
     result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream)
+    if stream:
+        print(dec.feed([], final=True), end="")  # a trailing incomplete character, if any
     if a.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
                           "stats": result.stats.to_json()}))
@@ -113,7 +118,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return {"generate": cmd_generate}[args.command](args)
+        from . import serving_cli
+
+        commands = {"generate": cmd_generate, "serve": serving_cli.cmd_serve, "client": serving_cli.cmd_client,
+                    "demo": serving_cli.cmd_demo}
+        return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ class SpecConfig:
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,
-                  budget: int | None = None) -> "SpecConfig":
+                  budget: int | None = None) -> SpecConfig:
         """The drafter's measured default shape, with any of width/depth/budget overridden."""
         k, m, n = DRAFT_SHAPES.get(draft.partition(":")[0], DRAFT_SHAPES["ngram"])
         return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n)

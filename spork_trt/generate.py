@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -40,9 +40,10 @@ def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
 
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
              decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
-             drafter=None, spec: SpecConfig = SpecConfig()) -> GenerationResult:
+             drafter=None, spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> GenerationResult:
+    """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it)."""
     max_new = budget(len(prompt_ids), cfg, target.cfg.max_seq_len)
-    stop, stats = StopState(eos_ids, max_new, cfg.stop_strings, decode), Stats()
+    stop, stats = StopState(eos_ids, max_new, cfg.stop_strings, decode), stats or Stats()
     gen, recovery = make_generator(cfg.sampling.seed), Recovery(spec)
     t0 = time.perf_counter()
     room = len(prompt_ids) + max_new + spec.tree_budget + 1

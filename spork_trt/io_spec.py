@@ -45,3 +45,60 @@ def outputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
 
 def dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
     return {s.name: {i: d for i, d in enumerate(s.dims) if isinstance(d, str)} for s in specs}
+
+
+# ---- Triton tensors: the ensemble's request/response (TensorRT-LLM backend names where the meaning is the same)
+# and the tensors passed between its steps. Dims exclude the batch dim (every model has max_batch_size > 0).
+
+@dataclass(frozen=True)
+class TritonTensor:
+    name: str
+    dtype: str  # Triton data type without the TYPE_ prefix: STRING, INT32, FP32, UINT64, BOOL
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+TEXT_INPUT = TritonTensor("text_input", "STRING", (1,))
+REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
+    TritonTensor("max_tokens", "INT32", (1,), optional=True),
+    TritonTensor("temperature", "FP32", (1,), optional=True),  # 0 (the default) means greedy
+    TritonTensor("top_p", "FP32", (1,), optional=True),
+    TritonTensor("top_k", "INT32", (1,), optional=True),
+    TritonTensor("seed", "UINT64", (1,), optional=True),
+    TritonTensor("stream", "BOOL", (1,), optional=True),
+    TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
+)
+STATS_OUTPUTS = (  # from the spork step straight to the client, in every response
+    TritonTensor("acceptance_rate", "FP32", (1,)),
+    TritonTensor("total_accepted_draft_tokens", "INT32", (1,)),
+    TritonTensor("total_draft_tokens", "INT32", (1,)),
+    TritonTensor("mean_accepted_length", "FP32", (1,)),
+    TritonTensor("num_steps", "INT32", (1,)),
+    TritonTensor("stop_reason", "STRING", (1,)),  # "" until the final response: eos | max_tokens | stop_string
+)
+TEXT_OUTPUT = TritonTensor("text_output", "STRING", (1,))
+PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
+OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))  # spork -> postprocessing: every token generated so far
+SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of them the previous response carried
+FINAL = TritonTensor("final", "BOOL", (1,))  # last response of the request: flush held-back characters
+
+
+@dataclass(frozen=True)
+class TritonStep:
+    name: str  # model name in the repository
+    inputs: tuple[TritonTensor, ...]
+    outputs: tuple[TritonTensor, ...]
+    decoupled: bool = False
+
+
+TRITON_STEPS = (
+    TritonStep("preprocessing", (TEXT_INPUT,), (PROMPT_IDS,)),
+    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, *STATS_OUTPUTS), decoupled=True),
+    TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL), (TEXT_OUTPUT,)),
+)
+ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)
+# Triton refuses HTTP infer and gRPC ModelInfer for an ensemble with a decoupled step, so the repository has two
+# entry points over the same steps: `ensemble` (decoupled spork step: streaming, generate, generate_stream) and
+# `ensemble_unary` (spork_unary step: exactly one response, for ModelInfer over HTTP and gRPC).
+ENTRY_POINTS = {"ensemble": "spork", "ensemble_unary": "spork_unary"}

@@ -4,15 +4,17 @@ Two backends behind the same engine interface: `torch` (the reference, from a ch
 from engines built by `python -m export build`)."""
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .config import GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
 from .sampling import make_generator
+from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import load_checkpoint
 
@@ -42,9 +44,10 @@ class Runtime:
     build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
     backend: str = "torch"
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
-    def load(cls, model: str | Path | None = None) -> "Runtime":
+    def load(cls, model: str | Path | None = None) -> Runtime:
         """The torch reference engine, from a checkpoint (None: the embedded default)."""
         from .engines.torch_engine import TorchEngine
         from .quant import int4_copy, int8_copy
@@ -67,8 +70,9 @@ class Runtime:
         return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
 
     @classmethod
-    def from_engines(cls, engines: str | Path) -> "Runtime":
-        """ONNX Runtime engines built by `python -m export build`."""
+    def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",)
+                     ) -> Runtime:
+        """ONNX Runtime engines built by `python -m export build`, on the given execution providers."""
         from .engines.onnx_engine import OnnxEngine
         from .export import manifest as mf
 
@@ -80,33 +84,49 @@ class Runtime:
 
         def draft_engine(kind: str, arg: str):
             if kind in built:
-                return OnnxEngine(d / built[kind]["path"], cfg)
+                return OnnxEngine(d / built[kind]["path"], cfg, providers=providers)
             if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
-                return OnnxEngine(d / built["verifier"]["path"], cfg, n_layers=int(arg))
+                return OnnxEngine(d / built["verifier"]["path"], cfg, n_layers=int(arg), providers=providers)
             have = [k for k in built if k.startswith("self-")] + [f"early-exit:{built['verifier']['layers']}"]
             raise UserError(f"{d} has no engine for --draft {kind}{':' + arg if arg else ''}: built drafts are "
                             f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
-        return cls(cfg, tok, OnnxEngine(d / built["target"]["path"], cfg), draft_engine, "onnx")
+        target = OnnxEngine(d / built["target"]["path"], cfg, providers=providers)
+        return cls(cfg, tok, target, draft_engine, "onnx")
+
+    def draft_engine(self, name: str):
+        """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
+        with self._lock:
+            if name not in self.draft_engines:
+                self.draft_engines[name] = self.build_draft_engine(*parse_draft(name, self.cfg.n_layers))
+            return self.draft_engines[name]
+
+    def fork(self) -> Runtime:
+        """A runtime for one concurrent request: the same weights and sessions, its own KV caches."""
+        parent = self
+
+        def draft_engine(kind: str, arg: str):
+            return parent.draft_engine(f"{kind}:{arg}" if arg else kind).fresh()
+
+        return Runtime(self.cfg, self.tokenizer, self.engine.fresh(), draft_engine, self.backend)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
-        kind, arg = parse_draft(name, self.cfg.n_layers)
+        kind, _ = parse_draft(name, self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
         if kind == "hybrid":
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
-        if name not in self.draft_engines:
-            self.draft_engines[name] = self.build_draft_engine(kind, arg)
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
-        return ModelDrafter(self.draft_engines[name], sampling, make_generator(seed))
+        return ModelDrafter(self.draft_engine(name), sampling, make_generator(seed))
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                 spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None) -> GenerationResult:
+                 spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
+                 stats: Stats | None = None) -> GenerationResult:
         assert mode in MODES, mode
         drafter = self.drafter(spec.draft, cfg.sampling) if mode == "spork" else None
         return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
-                        drafter, spec)
+                        drafter, spec, stats)
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_draft: int, where: str) -> None:

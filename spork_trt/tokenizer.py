@@ -42,21 +42,26 @@ class Tokenizer:
         return [Path(p) for p in self.hf.save_pretrained(str(out))]
 
 
+def text_delta(tok: Tokenizer, ids: list[int], sent: int, final: bool) -> str:
+    """The text that `ids` adds to what `ids[:sent]` already streamed. A pure function of its arguments, so a
+    stateless step (Triton's postprocessing) can stream: a non-final text holds back a trailing incomplete
+    multi-byte character (decoded as U+FFFD) until the tokens completing it arrive; `final` flushes it."""
+    before = tok.decode(ids[:sent]).rstrip("\ufffd") if sent else ""
+    after = tok.decode(ids) if final else tok.decode(ids).rstrip("\ufffd")
+    return after[len(before):]
+
+
 class StreamDecoder:
-    """Incremental detokenizer: text deltas that never split a multi-byte character or a merged word piece."""
+    """Incremental detokenizer for a local stream: deltas that never split a multi-byte character."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.ids = tok, []
-        self.prefix, self.read = 0, 0  # ids[prefix:read] were decoded into text already emitted
+        self.tok, self.ids, self.sent = tok, [], 0
 
-    def feed(self, new_ids: list[int]) -> str:
+    def feed(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        after = self.tok.decode(self.ids[self.prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
+        delta = text_delta(self.tok, self.ids, self.sent, final)
+        self.sent = len(self.ids)
+        return delta
 
 
 def load_tokenizer(path: Path, kind: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:

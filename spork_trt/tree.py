@@ -28,7 +28,7 @@ class DraftTree:
         return len(self.tokens)
 
     @classmethod
-    def root_only(cls, root: int) -> "DraftTree":
+    def root_only(cls, root: int) -> DraftTree:
         return cls((root,), (-1,))
 
 

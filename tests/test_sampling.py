@@ -44,7 +44,7 @@ def test_stop_rule_eos_max_and_stop_strings():
     assert st.add([5, 6]) == [5, 6] and st.reason is None
     assert st.add([7, 8]) == [7] and st.reason == "max_tokens"
     vocab = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
-    decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+    decode = lambda ids: "".join(vocab[i] for i in ids)
     st = StopState(frozenset(), 50, ("o w",), decode)
     assert st.add([1, 2, 3, 4, 5]) == [1, 2, 3] and st.reason == "stop_string"
     assert st.text() == "Hell"

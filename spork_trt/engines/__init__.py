@@ -6,6 +6,8 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
                                                    S = length + pending + T; appends T pending KV rows
   commit(rows=None)                                keep pending rows (indices from `length`; None: all)
   truncate(length)                                 roll back to `length` committed rows
+  fresh()                                          a new engine over the same weights/session, with no cache
+                                                   (one per concurrent request: caches are per sequence)
   length, pending                                  committed rows; rows written since the last commit
 """
 
@@ -33,6 +35,10 @@ class CachedEngine(ABC):
     @property
     def pending(self) -> int:
         return 0 if self.cache is None else self.cache.pending
+
+    @abstractmethod
+    def fresh(self) -> "CachedEngine":
+        """A new engine sharing this one's weights (or session) with its own, not yet allocated, cache."""
 
     def reset(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:

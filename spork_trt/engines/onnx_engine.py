@@ -11,6 +11,7 @@ import torch
 
 from .. import io_spec
 from ..config import ModelConfig
+from ..errors import UserError
 from ..kv_cache import Rows
 from . import CachedEngine
 
@@ -32,13 +33,18 @@ def session_options(optimized_cache: Path | None = None, threads: int | None = N
 
 class OnnxEngine(CachedEngine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
-                 session=None) -> None:
+                 session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> None:
         import onnxruntime as ort
 
         self._cfg = cfg
         self.n_layers = cfg.n_layers if n_layers is None else n_layers
-        self.session = session or ort.InferenceSession(str(path), session_options(),
-                                                       providers=["CPUExecutionProvider"])
+        if session is None:
+            missing = set(providers) - set(ort.get_available_providers())
+            if missing:
+                raise UserError(f"ONNX Runtime here lacks {', '.join(sorted(missing))} (available: "
+                                f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu on a GPU host "
+                                "or use the cpu profile")
+        self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers))
         self.names = io_spec.kv_names(self.n_layers)
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
@@ -47,6 +53,9 @@ class OnnxEngine(CachedEngine):
     @property
     def cfg(self) -> ModelConfig:
         return self._cfg
+
+    def fresh(self) -> OnnxEngine:
+        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session)
 
     def make_cache(self, max_len: int) -> Rows:
         shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)

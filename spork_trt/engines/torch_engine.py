@@ -19,6 +19,9 @@ class TorchEngine(CachedEngine):
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
+    def fresh(self) -> TorchEngine:
+        return TorchEngine(self.model, self.exit_layer)
+
     def make_cache(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, n_layers=self.exit_layer)
 

@@ -56,6 +56,7 @@ def build(cfg: BuildConfig) -> Path:
     if old and not cfg.force and old.get("build_inputs") == inputs and all(
             (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
         stage(f"up to date: {out} (use --force to rebuild)")
+        render_triton(out)
         return out
     stage("loading checkpoint")
     ck = load_checkpoint(cfg.model)
@@ -96,8 +97,15 @@ def build(cfg: BuildConfig) -> Path:
         "drafters": ["ngram", *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
         "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"],
     })
+    render_triton(out)
     stage(f"done in {time.perf_counter() - t0:.0f}s: {out}")
     return out
+
+
+def render_triton(out: Path) -> None:
+    from ..triton_repo import RepoConfig, render
+
+    stage(f"rendering the Triton model repository {render(RepoConfig(out))} (cpu profile)")
 
 
 def dir_sha(d: Path) -> str:

@@ -1,0 +1,184 @@
+"""Query the served `ensemble`: tritonclient HTTP or gRPC infer, gRPC bidirectional streaming, or Triton's HTTP
+generate / generate_stream endpoints. Every protocol returns the same Reply."""
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import UserError
+
+PROTOCOLS = ("http", "grpc", "generate")
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "generate": 8000}
+MODEL = "ensemble"  # decoupled: gRPC streaming, generate, generate_stream
+UNARY_MODEL = "ensemble_unary"  # ModelInfer over HTTP and gRPC (Triton refuses it for a decoupled ensemble)
+STAT_NAMES = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "mean_accepted_length",
+              "num_steps")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str | None = None  # host:port; None: 127.0.0.1 and the protocol's default port
+    protocol: str = "grpc"  # http | grpc | generate
+    stream: bool = False
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    spec_mode: str | None = None  # spork | plain; None: the server's default (spork)
+    timeout_s: float = 600.0
+
+    @property
+    def address(self) -> str:
+        return self.url or f"127.0.0.1:{DEFAULT_PORTS[self.protocol]}"
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    stats: dict[str, float] = field(default_factory=dict)  # the STAT_NAMES of the last response
+    stop_reason: str = ""
+    chunks: int = 0  # responses received
+    ttft_s: float = 0.0  # time to the first non-empty text
+    time_s: float = 0.0
+
+
+OnText = Callable[[str], None]
+
+
+def request_values(prompt: str, cfg: ClientConfig) -> dict[str, tuple[np.ndarray, str]]:
+    """Input name -> (array with the batch dim, Triton dtype)."""
+    if cfg.protocol not in PROTOCOLS:
+        raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {cfg.protocol!r}")
+    if cfg.stream and cfg.protocol == "http":
+        raise UserError("HTTP infer cannot stream: use --protocol grpc or --protocol generate with --stream")
+    v = {"text_input": (np.array([[prompt.encode("utf-8")]], np.object_), "BYTES"),
+         "max_tokens": (np.array([[cfg.max_tokens]], np.int32), "INT32"),
+         "temperature": (np.array([[cfg.temperature]], np.float32), "FP32"),
+         "stream": (np.array([[cfg.stream]], np.bool_), "BOOL")}
+    if cfg.top_p is not None:
+        v["top_p"] = (np.array([[cfg.top_p]], np.float32), "FP32")
+    if cfg.top_k is not None:
+        v["top_k"] = (np.array([[cfg.top_k]], np.int32), "INT32")
+    if cfg.seed is not None:
+        v["seed"] = (np.array([[cfg.seed]], np.uint64), "UINT64")
+    if cfg.spec_mode is not None:
+        v["spec_mode"] = (np.array([[cfg.spec_mode.encode()]], np.object_), "BYTES")
+    return v
+
+
+class Collector:
+    """Accumulates responses (each a dict of output name -> value) into a Reply."""
+
+    def __init__(self, on_text: OnText | None) -> None:
+        self.reply, self.on_text, self.t0 = Reply(), on_text, time.perf_counter()
+
+    def add(self, out: dict) -> None:
+        text = out["text_output"]
+        text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        if text and not self.reply.text:
+            self.reply.ttft_s = time.perf_counter() - self.t0
+        self.reply.text += text
+        self.reply.chunks += 1
+        self.reply.stats = {k: float(out[k]) for k in STAT_NAMES}
+        reason = out.get("stop_reason", b"")
+        self.reply.stop_reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+        if self.on_text and text:
+            self.on_text(text)
+
+    def done(self) -> Reply:
+        self.reply.time_s = time.perf_counter() - self.t0
+        return self.reply
+
+
+def first(result, name: str):
+    return result.as_numpy(name).reshape(-1)[0]
+
+
+def query(prompt: str, cfg: ClientConfig = ClientConfig(), on_text: OnText | None = None) -> Reply:
+    """Send one prompt; streamed text goes to `on_text` as it arrives. Server errors raise UserError."""
+    values = request_values(prompt, cfg)
+    col = Collector(on_text)
+    if cfg.protocol == "generate":
+        generate_endpoint(values, cfg, col)
+    elif cfg.protocol == "http":
+        import tritonclient.http as httpclient
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            with httpclient.InferenceServerClient(cfg.address, network_timeout=cfg.timeout_s) as c:
+                inputs = [httpclient.InferInput(n, a.shape, dt) for n, (a, dt) in values.items()]
+                for i, (a, _) in zip(inputs, values.values()):
+                    i.set_data_from_numpy(a)
+                r = c.infer(UNARY_MODEL, inputs)
+                col.add({n["name"]: first(r, n["name"]) for n in r.get_response()["outputs"]})
+        except InferenceServerException as e:
+            raise UserError(f"server error: {e.message()}") from None
+    else:
+        grpc_query(values, cfg, col)
+    return col.done()
+
+
+def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = [grpcclient.InferInput(n, a.shape, dt) for n, (a, dt) in values.items()]
+    for i, (a, _) in zip(inputs, values.values()):
+        i.set_data_from_numpy(a)
+    try:
+        with grpcclient.InferenceServerClient(cfg.address) as c:
+            if not cfg.stream:
+                r = c.infer(UNARY_MODEL, inputs, client_timeout=cfg.timeout_s)
+                col.add({o.name: first(r, o.name) for o in r.get_response().outputs})
+                return
+            responses: queue.Queue = queue.Queue()
+            c.start_stream(callback=lambda result, error: responses.put((result, error)),
+                           stream_timeout=cfg.timeout_s)
+            c.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=cfg.timeout_s)
+                if error is not None:
+                    raise error
+                resp = result.get_response()
+                if resp.outputs:
+                    col.add({o.name: first(result, o.name) for o in resp.outputs})
+                if resp.parameters["triton_final_response"].bool_param:
+                    break
+            c.stop_stream()
+    except InferenceServerException as e:
+        raise UserError(f"server error: {e.message()}") from None
+
+
+def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
+    """POST /v2/models/ensemble/generate (one JSON reply) or generate_stream (server-sent events)."""
+    body = {n: (a.reshape(-1)[0].decode() if dt == "BYTES" else a.reshape(-1)[0].item())
+            for n, (a, dt) in values.items()}
+    path = "generate_stream" if cfg.stream else "generate"
+    req = urllib.request.Request(f"http://{cfg.address}/v2/models/{MODEL}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=cfg.timeout_s) as r:
+            if not cfg.stream:
+                col.add(json.loads(r.read()))
+                return
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise UserError(f"server error: {event['error']}")
+                    col.add(event)
+    except urllib.error.HTTPError as e:
+        raise UserError(f"server error (HTTP {e.code}): {json.loads(e.read() or b'{}').get('error', e.reason)}") \
+            from None
+    except urllib.error.URLError as e:
+        raise UserError(f"cannot reach Triton at {cfg.address} ({e.reason}): start it with "
+                        "`python -m spork_trt serve`") from None

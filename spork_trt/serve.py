@@ -1,0 +1,165 @@
+"""Launch Triton Inference Server on a rendered repository: loopback only by default, explicit model control,
+wait until ready, log to a file, shut down cleanly.
+
+The binary is the `tritonserver` on PATH if there is one, else the CPU build inside the nvidia-pytriton wheel
+(DESIGN.md section 7): its python backend is copied once into a private folder together with the stub for this
+Python, and the venv's `bin` goes first on PATH so the stub's Python imports spork_trt from this environment.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+MODELS = ("preprocessing", "spork", "spork_unary", "postprocessing", "ensemble", "ensemble_unary")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    repo: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_file: Path | None = None  # None: REPO/../logs/tritonserver.log (beside the engines, outside the repository)
+    ready_timeout_s: float = 600.0
+
+    @property
+    def log(self) -> Path:
+        return self.log_file or self.repo.resolve().parent / "logs" / "tritonserver.log"
+
+
+@dataclass(frozen=True)
+class Binary:
+    path: Path
+    env: dict[str, str]  # the environment tritonserver runs with
+    backend_dir: Path | None  # None: the installation's own
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def find_binary() -> Binary:
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Binary(Path(on_path), env, None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("no tritonserver on PATH and the nvidia-pytriton wheel is not installed: run `make setup`")
+    root = Path(spec.submodule_search_locations[0]) / "tritonserver"
+    libs = [str(root.parents[1] / "nvidia_pytriton.libs")]
+    libpython = Path(sysconfig.get_config_var("LIBDIR") or "") / (sysconfig.get_config_var("LDLIBRARY") or "-")
+    if libpython.is_file():  # the stub must embed this interpreter's libpython, not another 3.11 on the system
+        libs.insert(0, str(libpython.parent))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in (os.environ.get("LD_LIBRARY_PATH"),) if p])
+    return Binary(root / "bin" / "tritonserver", env, private_python_backend(root))
+
+
+def private_python_backend(root: Path) -> Path:
+    """A copy of the wheel's python backend with the stub for this Python (the installed wheel stays untouched)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UserError(f"nvidia-pytriton has no python backend stub for Python {version}")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spork_trt" / "triton"
+    backends = cache / f"backends-{stub.stat().st_size}-{int(stub.stat().st_mtime)}-py{version}"
+    python = backends / "python"
+    if not (python / "triton_python_backend_stub").is_file():
+        tmp = backends.with_name(backends.name + f".tmp{os.getpid()}")
+        shutil.copytree(root / "backends" / "python", tmp / "python", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
+        if backends.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(backends)
+    return backends
+
+
+def command(cfg: ServerConfig, binary: Binary) -> list[str]:
+    cmd = [str(binary.path), f"--model-repository={cfg.repo.resolve()}", "--model-control-mode=explicit",
+           *(f"--load-model={m}" for m in MODELS), "--exit-on-error=true", "--strict-readiness=true",
+           f"--http-address={cfg.host}", f"--http-port={cfg.http_port}",
+           f"--grpc-address={cfg.host}", f"--grpc-port={cfg.grpc_port}",
+           f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}", "--log-verbose=0"]
+    if binary.backend_dir is not None:
+        cmd.append(f"--backend-directory={binary.backend_dir}")
+    return cmd
+
+
+class TritonServer:
+    """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        if not (cfg.repo / "ensemble" / "config.pbtxt").is_file():
+            raise UserError(f"{cfg.repo} is not a rendered repository: run `python -m export triton` first")
+        self.cfg, self.proc = cfg, None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.grpc_port}"
+
+    def start(self) -> TritonServer:
+        binary = find_binary()
+        self.cfg.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.cfg.log, "w") as log:  # the child keeps its own handle
+            self.proc = subprocess.Popen(command(self.cfg, binary), env=binary.env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        url = f"http://{self.http_url}/v2/models/ensemble/ready"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"tritonserver exited with code {self.proc.returncode} while starting; its log "
+                                f"({self.cfg.log}) ends with:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise UserError(f"tritonserver was not ready after {self.cfg.ready_timeout_s:.0f}s; log: {self.cfg.log}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.cfg.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)  # Triton unloads the models and stops their stubs
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

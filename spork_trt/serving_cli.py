@@ -1,0 +1,159 @@
+"""`python -m spork_trt serve|client|demo`: the Triton side of the command line (cli.py builds the parser)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+SERVE_EXAMPLES = """examples:
+  python -m spork_trt serve                                   # engines/default/triton_repo on 127.0.0.1:8000/8001
+  python -m spork_trt serve --repo engines/default/triton_repo --http-port 9000 --grpc-port 9001
+  python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
+"""
+CLIENT_EXAMPLES = """examples:
+  python -m spork_trt client "What is speculative decoding?" --stream          # gRPC streaming
+  python -m spork_trt client "Explain TCP" --protocol http --max-tokens 64      # tritonclient HTTP infer
+  python -m spork_trt client "Explain TCP" --protocol generate --stream         # HTTP generate_stream (SSE)
+  python -m spork_trt client "Explain TCP" --mode plain --json                  # the baseline, stats as JSON
+"""
+DEMO_EXAMPLES = """examples:
+  python -m spork_trt demo                      # build engines if missing, serve with Triton, stream one answer
+  python -m spork_trt demo "Write a haiku about CPUs" --max-tokens 64
+"""
+
+
+def add_serving_commands(sub) -> None:
+    from .client import PROTOCOLS
+    from .triton_repo import RepoConfig
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    s = sub.add_parser("serve", help="run Triton Inference Server on a rendered repository", epilog=SERVE_EXAMPLES,
+                       formatter_class=fmt, description="Start tritonserver, wait until ready, serve until Ctrl-C.")
+    s.add_argument("--repo", default=None, help="model repository (default: ENGINES/triton_repo, rendered if absent)")
+    s.add_argument("--engines", default=str(RepoConfig.engines), help="engines folder (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--log", default=None, help="server log file (default: next to the repository)")
+    c = sub.add_parser("client", help="query a running server", epilog=CLIENT_EXAMPLES, formatter_class=fmt,
+                       description="Send PROMPT to the served ensemble; streamed text goes to stdout, stats to stderr.")
+    c.add_argument("prompt")
+    c.add_argument("--url", default=None, help="host:port (default: 127.0.0.1 and the protocol's default port)")
+    c.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                   help="grpc / http: tritonclient; generate: Triton's HTTP generate endpoints (default: grpc)")
+    c.add_argument("--stream", action="store_true", help="stream text as it is committed (grpc or generate)")
+    add_request_flags(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
+    d = sub.add_parser("demo", help="the main job end to end: build, serve, stream one answer, stop",
+                       epilog=DEMO_EXAMPLES, formatter_class=fmt)
+    d.add_argument("prompt", nargs="?", default="Explain speculative decoding in two sentences.")
+    d.add_argument("--engines", default=str(RepoConfig.engines), help="built here if missing (default: %(default)s)")
+    add_request_flags(d)
+
+
+def add_request_flags(p) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--mode", choices=["spork", "plain"], default=None, help="spec_mode (default: the server's)")
+
+
+def interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import signal
+    import time
+    from pathlib import Path
+
+    from .serve import ServerConfig, TritonServer
+    from .triton_repo import RepoConfig, render
+
+    repo = Path(a.repo) if a.repo else RepoConfig(Path(a.engines)).repo
+    if a.repo is None and not (repo / "ensemble" / "config.pbtxt").is_file():
+        render(RepoConfig(Path(a.engines)))
+    cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None)
+    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as cleanly as Ctrl-C
+    print(f"starting tritonserver on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
+    with TritonServer(cfg) as server:
+        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
+              "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
+        try:
+            while server.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("stopping tritonserver ...", file=sys.stderr, flush=True)
+            return 0
+    raise UserError(f"tritonserver exited with code {server.proc.returncode}; see {cfg.log}")
+
+
+def client_config(a: argparse.Namespace, **over):
+    from .client import ClientConfig
+
+    if a.max_tokens <= 0:
+        raise UserError(f"--max-tokens must be positive, got {a.max_tokens}")
+    if a.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 means greedy), got {a.temperature}")
+    fields = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
+              "seed": a.seed, "spec_mode": a.mode}
+    fields.update(over)
+    return ClientConfig(**fields)
+
+
+def print_reply(reply, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"text": reply.text, "stop_reason": reply.stop_reason, "stats": reply.stats,
+                          "time_s": reply.time_s, "ttft_s": reply.ttft_s}))
+        return
+    st = reply.stats
+    print(flush=True)
+    print(f"[triton] {reply.chunks} response(s) in {reply.time_s:.2f}s (first text after {reply.ttft_s:.2f}s), "
+          f"{st.get('num_steps', 0):.0f} steps, mean accepted length {st.get('mean_accepted_length', 0):.2f}, "
+          f"acceptance {st.get('acceptance_rate', 0):.0%} ({st.get('total_accepted_draft_tokens', 0):.0f}/"
+          f"{st.get('total_draft_tokens', 0):.0f} draft tokens), stop: {reply.stop_reason}", file=sys.stderr)
+
+
+def cmd_client(a: argparse.Namespace) -> int:
+    from .client import query
+
+    cfg = client_config(a, url=a.url, protocol=a.protocol, stream=a.stream)
+    on_text = None if a.json else (lambda t: print(t, end="", flush=True))
+    reply = query(a.prompt, cfg, on_text)
+    if not a.json and not a.stream:
+        print(reply.text, end="")
+    print_reply(reply, a.json)
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .client import query
+    from .export.build import BuildConfig, build
+    from .serve import ServerConfig, TritonServer, free_port
+    from .triton_repo import RepoConfig
+
+    engines = Path(a.engines)
+    if not (engines / "manifest.json").is_file():
+        build(BuildConfig(out=engines))  # also renders the Triton repository
+    repo = RepoConfig(engines).repo
+    if not (repo / "ensemble" / "config.pbtxt").is_file():
+        from .triton_repo import render
+
+        render(RepoConfig(engines))
+    cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    print(f"[demo] starting Triton on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
+    with TritonServer(cfg) as server:
+        print(f"[demo] ready on gRPC {server.grpc_url}; streaming the answer to: {a.prompt}", file=sys.stderr,
+              flush=True)
+        ccfg = client_config(a, url=server.grpc_url, protocol="grpc", stream=True)
+        reply = query(a.prompt, ccfg, lambda t: print(t, end="", flush=True))
+        print_reply(reply, False)
+        print("[demo] stopping Triton", file=sys.stderr, flush=True)
+    return 0
