@@ -157,6 +157,16 @@ def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
         raise UserError(f"server error: {e.message()}") from None
 
 
+def error_message(body: bytes, fallback: str) -> str:
+    """The `error` of a generate endpoint's error body: JSON, or one server-sent event for generate_stream."""
+    text = body.decode("utf-8", "replace").strip()
+    text = text[len("data:"):] if text.startswith("data:") else text
+    try:
+        return json.loads(text).get("error", fallback)
+    except (json.JSONDecodeError, AttributeError):
+        return text or fallback
+
+
 def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
     """POST /v2/models/ensemble/generate (one JSON reply) or generate_stream (server-sent events)."""
     body = {n: (a.reshape(-1)[0].decode() if dt == "BYTES" else a.reshape(-1)[0].item())
@@ -177,8 +187,7 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
                         raise UserError(f"server error: {event['error']}")
                     col.add(event)
     except urllib.error.HTTPError as e:
-        raise UserError(f"server error (HTTP {e.code}): {json.loads(e.read() or b'{}').get('error', e.reason)}") \
-            from None
+        raise UserError(f"server error (HTTP {e.code}): {error_message(e.read(), e.reason)}") from None
     except urllib.error.URLError as e:
         raise UserError(f"cannot reach Triton at {cfg.address} ({e.reason}): start it with "
                         "`python -m spork_trt serve`") from None

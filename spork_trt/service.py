@@ -80,13 +80,17 @@ def parse_request(inputs: Inputs, context: int, can_stream: bool = True) -> Serv
     prompt_ids = [int(i) for i in np.asarray(ids).reshape(-1)]
     if not prompt_ids:
         raise UserError("text_input encodes to no tokens: send some text")
-    max_tokens = scalar(inputs, "max_tokens", int, GenerateConfig.max_new_tokens)
     room = context - len(prompt_ids)
+    if room <= 0:
+        raise UserError(f"text_input has {len(prompt_ids)} tokens but the context window is {context}: shorten it")
+    max_tokens = scalar(inputs, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = min(GenerateConfig.max_new_tokens, room)  # the default, clipped to what fits
     if max_tokens <= 0:
         raise UserError(f"max_tokens must be a positive number of tokens, got {max_tokens}")
     if max_tokens > room:
         raise UserError(f"max_tokens {max_tokens} is beyond the context: the prompt has {len(prompt_ids)} tokens "
-                        f"and the context window is {context}, so at most {max(room, 0)} new tokens fit")
+                        f"and the context window is {context}, so at most {room} new tokens fit")
     temperature = scalar(inputs, "temperature", float, SamplingConfig.temperature)
     if not temperature >= 0:
         raise UserError(f"temperature must be >= 0 (0 means greedy), got {temperature}")

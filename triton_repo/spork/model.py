@@ -47,7 +47,8 @@ class TritonPythonModel:
         try:
             send = lambda chunk: sender.send(response(chunk), flags=FINAL if chunk.final else 0)
             if not self.service.run(self.inputs(request), send, cancelled=request.is_cancelled):
-                sender.send(flags=FINAL)  # cancelled: close the stream; the request's state is gone
+                pb_utils.Logger.log_info("spork: request cancelled, its KV caches released")
+                sender.send(flags=FINAL)  # close the stream
         except Exception as e:  # noqa: BLE001 - every request gets its own error; the model keeps serving
             sender.send(error_response(e), flags=FINAL)
 

@@ -1,0 +1,133 @@
+"""The serving logic without Triton: request validation names the field, streamed chunks reassemble the exact
+text, per-request state is independent, cancellation stops at the next step."""
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from spork_trt.errors import UserError
+from spork_trt.service import Chunk, Service, decode_chunk, encode_text, parse_request
+from spork_trt.tokenizer import text_delta
+
+CONTEXT = 64
+IDS = np.array([[5, 6, 7, 8]], np.int32)  # [1, n]
+
+
+def one(value, dtype):
+    return np.array([[value]], dtype=dtype)  # [1, 1]: a batch of one
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("max_tokens", one(0, np.int32), "max_tokens must be a positive"),
+    ("max_tokens", one(-3, np.int32), "max_tokens must be a positive"),
+    ("max_tokens", one(61, np.int32), "max_tokens 61 is beyond the context"),
+    ("temperature", one(-0.1, np.float32), "temperature must be >= 0"),
+    ("temperature", one(np.nan, np.float32), "temperature must be >= 0"),
+    ("top_p", one(0.0, np.float32), "top_p must be in (0, 1]"),
+    ("top_k", one(-1, np.int32), "top_k must be >= 0"),
+    ("spec_mode", one(b"gate", np.object_), "unknown spec_mode 'gate'"),
+    ("max_tokens", np.array([[1, 2]], np.int32), "max_tokens must hold one value"),
+])
+def test_bad_request_names_the_field(field, value, needle):
+    with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_request({"input_ids": IDS, field: value}, CONTEXT)
+
+
+def test_defaults_and_limits():
+    req = parse_request({"input_ids": IDS}, CONTEXT)
+    assert req.mode == "spork" and not req.stream and req.cfg.sampling.greedy and req.prompt_ids == [5, 6, 7, 8]
+    assert req.cfg.max_new_tokens == CONTEXT - 4  # the default, clipped to the context
+    assert parse_request({"input_ids": IDS, "max_tokens": one(60, np.int32)}, CONTEXT).cfg.max_new_tokens == 60
+    with pytest.raises(UserError, match="text_input has 4 tokens but the context window is 4"):
+        parse_request({"input_ids": IDS}, 4)
+    with pytest.raises(UserError, match="stream=true needs the streaming model"):
+        parse_request({"input_ids": IDS, "stream": one(True, np.bool_)}, CONTEXT, can_stream=False)
+
+
+@pytest.mark.slow
+def test_preprocessing_refuses_empty_and_invalid_utf8(default_tokenizer):
+    with pytest.raises(UserError, match="not valid UTF-8"):
+        encode_text(default_tokenizer, one(b"ok \xff\xfe", np.object_))
+    with pytest.raises(UserError, match="text_input is empty"):
+        encode_text(default_tokenizer, one(b"  \n", np.object_))
+    ids = encode_text(default_tokenizer, one("héllo".encode(), np.object_))
+    assert ids.dtype == np.int32 and ids.shape[0] == 1
+    assert ids[0].tolist() == default_tokenizer.encode_prompt("héllo")
+
+
+@pytest.mark.slow
+def test_stateless_deltas_never_split_characters(default_tokenizer):
+    text = "naïve café → 東京 🙂🙂 done"
+    ids = default_tokenizer.hf.encode(text, add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(20):  # random response boundaries, as the spork step's steps commit 1..k tokens
+        cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(1, len(ids) - 1))) + [len(ids)]
+        sent, deltas = 0, []
+        for cut in cuts:
+            out = decode_chunk(default_tokenizer, np.array([ids[:cut]], np.int32), one(sent, np.int32),
+                               one(cut == len(ids), np.bool_))
+            deltas.append(out[0, 0].decode("utf-8"))  # valid UTF-8 in every response
+            sent = cut
+        assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    emoji = default_tokenizer.hf.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1  # a multi-token character: held back until complete, flushed when final
+    assert text_delta(default_tokenizer, emoji[:1], 0, final=False) == ""
+    assert text_delta(default_tokenizer, emoji[:1], 0, final=True) == "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def service(default_runtime):
+    from spork_trt.config import SpecConfig
+
+    return Service(default_runtime, SpecConfig.for_draft("ngram"))
+
+
+def run(service, prompt_ids, max_tokens, stream, cancel_after=None):
+    chunks: list[Chunk] = []
+    inputs = {"input_ids": np.array([prompt_ids], np.int32), "max_tokens": one(max_tokens, np.int32),
+              "stream": one(stream, np.bool_)}
+    done = service.run(inputs, chunks.append, cancelled=lambda: cancel_after is not None and len(chunks) >= cancel_after)
+    return done, chunks
+
+
+@pytest.mark.slow
+def test_stream_and_single_response_match_plain_greedy(service, default_runtime, default_tokenizer):
+    from spork_trt.config import GenerateConfig
+
+    prompt = default_tokenizer.encode_prompt("Name three planets.")
+    plain = default_runtime.generate(prompt, GenerateConfig(max_new_tokens=24), mode="plain")
+    done, single = run(service, prompt, 24, stream=False)
+    assert done and len(single) == 1 and single[0].final and single[0].output_ids == plain.token_ids
+    done, chunks = run(service, prompt, 24, stream=True)
+    assert done and chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert chunks[-1].output_ids == plain.token_ids and chunks[-1].stop_reason == plain.stop_reason
+    text = "".join(decode_chunk(default_tokenizer, np.array([c.output_ids], np.int32), one(c.sent_len, np.int32),
+                                one(c.final, np.bool_))[0, 0].decode() for c in chunks)
+    assert text == plain.text
+    st = chunks[-1].tensors()
+    assert st["num_steps"][0, 0] == chunks[-1].stats.steps >= 1 and st["total_draft_tokens"][0, 0] >= 0
+
+
+@pytest.mark.slow
+def test_concurrent_requests_have_independent_state(service, default_tokenizer):
+    prompts = [default_tokenizer.encode_prompt(p) for p in ("Count to five.", "Name a color.", "Say hi in Spanish.")]
+    alone = [run(service, p, 16, stream=False)[1][-1].output_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, run(service, prompts[k], 16, True)[1][-1]
+                                                                    .output_ids)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[k] for k in range(len(prompts))] == alone
+    assert service.active == 0
+
+
+@pytest.mark.slow
+def test_cancelled_request_stops_and_sends_nothing_more(service, default_tokenizer):
+    prompt = default_tokenizer.encode_prompt("Write a long story about a dragon.")
+    done, chunks = run(service, prompt, 200, stream=True, cancel_after=2)
+    assert not done and len(chunks) == 2 and not chunks[-1].final and service.active == 0

@@ -1,0 +1,61 @@
+"""The rendered Triton repository parses with Triton's own ModelConfig schema and agrees with io_spec."""
+from __future__ import annotations
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from spork_trt import io_spec
+from spork_trt.errors import UserError
+from spork_trt.service import engines_dir
+from spork_trt.triton_repo import RepoConfig, render
+
+pytestmark = pytest.mark.slow  # needs a default build
+
+
+def load(repo, name) -> mc.ModelConfig:
+    return text_format.Parse((repo / name / "config.pbtxt").read_text(), mc.ModelConfig())
+
+
+def same(io, t: io_spec.TritonTensor) -> bool:
+    return (io.name, mc.DataType.Name(io.data_type), list(io.dims), getattr(io, "optional", False)) == (
+        t.name, "TYPE_" + t.dtype, list(t.dims), t.optional)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", profile, instances=2, max_concurrency=4))
+    steps = {s.name: s for s in io_spec.TRITON_STEPS}
+    for name, spork in io_spec.ENTRY_POINTS.items():
+        for model in ("preprocessing", spork, "postprocessing"):
+            c = load(repo, model)
+            step = steps["spork" if model == spork else model]
+            assert c.name == model and c.backend == "python" and c.max_batch_size > 0
+            assert len(c.input) == len(step.inputs) and all(same(i, t) for i, t in zip(c.input, step.inputs))
+            assert len(c.output) == len(step.outputs) and all(same(o, t) for o, t in zip(c.output, step.outputs))
+            assert c.model_transaction_policy.decoupled == (model == "spork")
+            assert (repo / model / "1" / "model.py").is_file()
+            assert engines_dir(str(repo / model), c.parameters["engines"].string_value) == default_engines.resolve()
+            gpu = profile == "gpu" and model == spork
+            assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
+        sp = load(repo, spork)
+        assert sp.instance_group[0].count == 2 and sp.parameters["max_concurrency"].string_value == "4"
+        assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu")
+        e = load(repo, name)
+        assert e.platform == "ensemble"
+        assert [i.name for i in e.input] == [t.name for t in io_spec.ENSEMBLE_INPUTS]
+        assert all(same(i, t) for i, t in zip(e.input, io_spec.ENSEMBLE_INPUTS))
+        assert all(same(o, t) for o, t in zip(e.output, io_spec.ENSEMBLE_OUTPUTS))
+        available = {i.name for i in e.input}  # every step input is a client input or an earlier step's output
+        for s in e.ensemble_scheduling.step:
+            assert set(s.input_map.values()) <= available, s.model_name
+            available |= set(s.output_map.values())
+        assert {o.name for o in e.output} <= available
+        assert [s.model_name for s in e.ensemble_scheduling.step] == ["preprocessing", spork, "postprocessing"]
+
+
+def test_render_refuses_what_is_not_a_build(tmp_path):
+    with pytest.raises(UserError):
+        render(RepoConfig(tmp_path))
+    with pytest.raises(UserError, match="--profile"):
+        render(RepoConfig(tmp_path, profile="tpu"))

@@ -1,0 +1,195 @@
+"""A real tritonserver (the CPU build from nvidia-pytriton) serving the rendered repository on the default
+engines: the same greedy text over every protocol as local generation, errors that name the problem while other
+requests carry on, concurrent requests, cancellation, and `serve` shutting down on SIGTERM."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from spork_trt.client import ClientConfig, query
+from spork_trt.errors import UserError
+from spork_trt.serve import ServerConfig, TritonServer, free_port
+from tests.conftest import humaneval_prompts, mt_bench_prompts
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server(default_engines):
+    cfg = ServerConfig(default_engines / "triton_repo", http_port=free_port(), grpc_port=free_port(),
+                       metrics_port=free_port())
+    with TritonServer(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def local(default_engines):
+    """Plain greedy decoding on the same engines, in this process: the reference every served text must equal."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.runtime import Runtime
+
+    rt = Runtime.from_engines(default_engines)
+    cache: dict[tuple[str, int], str] = {}
+
+    def text(prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        if (prompt, max_tokens) not in cache:
+            ids = rt.tokenizer.encode_prompt(prompt)
+            cache[prompt, max_tokens] = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens)).text
+        return cache[prompt, max_tokens]
+
+    return text
+
+
+def cfg(server, protocol: str, stream: bool = False, **over) -> ClientConfig:
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    return ClientConfig(url=url, protocol=protocol, stream=stream, **{"max_tokens": MAX_TOKENS, **over})
+
+
+PROTOCOLS = [("http", False), ("grpc", False), ("grpc", True), ("generate", False), ("generate", True)]
+
+
+def test_same_greedy_text_over_every_protocol(server, local):
+    for prompt in mt_bench_prompts(2) + humaneval_prompts(1):
+        want = local(prompt)
+        for protocol, stream in PROTOCOLS:
+            reply = query(prompt, cfg(server, protocol, stream))
+            assert reply.text == want, (protocol, stream, prompt[:40])
+            st = reply.stats
+            assert st["num_steps"] >= 1 and 0 <= st["total_accepted_draft_tokens"] <= st["total_draft_tokens"]
+            assert st["mean_accepted_length"] >= 1 and reply.stop_reason in ("eos", "max_tokens")
+            assert (reply.chunks > 1) == stream
+    plain = query(prompt, cfg(server, "grpc", spec_mode="plain"))
+    assert plain.text == want and plain.stats["total_draft_tokens"] == 0
+
+
+def test_cli_generate_and_client_agree(server, default_engines):
+    prompt = mt_bench_prompts(1)[0]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "spork_trt", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    local = run("generate", prompt, "--engines", str(default_engines), "--max-new-tokens", str(MAX_TOKENS), "--json")
+    assert local.returncode == 0, local.stderr
+    served = run("client", prompt, "--url", server.grpc_url, "--stream", "--max-tokens", str(MAX_TOKENS))
+    assert served.returncode == 0, served.stderr
+    assert served.stdout == json.loads(local.stdout)["text"] + "\n"
+    assert served.stderr.startswith("[triton] ") and "mean accepted length" in served.stderr
+    down = run("client", "hi", "--url", f"127.0.0.1:{free_port()}", "--protocol", "generate")
+    assert down.returncode == 2 and down.stderr.startswith("error: cannot reach Triton")
+
+
+def raw_infer(server, inputs: dict[str, tuple[np.ndarray, str]]) -> str:
+    """tritonclient HTTP infer with hand-made tensors; returns the error message ('' on success)."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    with httpclient.InferenceServerClient(server.http_url) as c:
+        tensors = []
+        for name, (arr, dtype) in inputs.items():
+            tensors.append(httpclient.InferInput(name, list(arr.shape), dtype))
+            tensors[-1].set_data_from_numpy(arr)
+        try:
+            c.infer("ensemble_unary", tensors)
+            return ""
+        except InferenceServerException as e:
+            return e.message()
+
+
+def test_bad_input_is_an_error_naming_the_problem_while_others_carry_on(server, local):
+    prompt = mt_bench_prompts(3)[2]
+    in_flight: dict = {}
+    worker = threading.Thread(target=lambda: in_flight.update(reply=query(prompt, cfg(server, "grpc", True))))
+    worker.start()
+    for over, needle in [({"max_tokens": 0}, "max_tokens must be a positive"),
+                         ({"max_tokens": 100_000}, "is beyond the context"),
+                         ({"temperature": -1.0}, "temperature must be >= 0"),
+                         ({"spec_mode": "warp"}, "unknown spec_mode 'warp'")]:
+        for protocol, stream in PROTOCOLS:
+            with pytest.raises(UserError, match=needle):
+                query("hi", cfg(server, protocol, stream, **over))
+    with pytest.raises(UserError, match="text_input is empty"):
+        query("   ", cfg(server, "http"))
+    text = np.array([[b"hi"]], np.object_)
+    assert "not valid UTF-8" in raw_infer(server, {"text_input": (np.array([[b"\xff\xfe"]], np.object_), "BYTES")})
+    assert "data-type is 'FP32'" in raw_infer(server, {"text_input": (text, "BYTES"),
+                                                       "max_tokens": (np.array([[8.0]], np.float32), "FP32")})
+    assert "unexpected shape for input 'max_tokens'" in raw_infer(
+        server, {"text_input": (text, "BYTES"), "max_tokens": (np.array([[8, 9]], np.int32), "INT32")})
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate",
+                                 data=json.dumps({"text_input": "hi", "max_tokens": -2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "max_tokens must be a positive" in e.value.read().decode()
+    worker.join(timeout=300)
+    assert in_flight["reply"].text == local(prompt)  # the request in flight was not disturbed
+    assert query(prompt, cfg(server, "http")).text == local(prompt)  # and the server still serves
+
+
+def test_concurrent_requests_get_their_own_answers(server, local):
+    prompts = mt_bench_prompts(8)[3:8] + humaneval_prompts(3)[1:3]
+    protocols = [PROTOCOLS[k % len(PROTOCOLS)] for k in range(len(prompts))]
+    got: dict[int, str] = {}
+
+    def one(k: int) -> None:
+        got[k] = query(prompts[k], cfg(server, *protocols[k], max_tokens=24)).text
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert [got.get(k) for k in range(len(prompts))] == [local(p, 24) for p in prompts]
+
+
+def test_cancelled_stream_frees_its_request(server, default_tokenizer):
+    """Cancellation reaches a running step only when the request goes to `spork` itself: Triton 2.51 checks an
+    ensemble's cancellation between steps only (README: serving notes)."""
+    import tritonclient.grpc as grpcclient
+
+    ids = np.array([default_tokenizer.encode_prompt("Write a long story about a dragon.")], np.int32)
+    inputs = [grpcclient.InferInput("input_ids", list(ids.shape), "INT32"),
+              grpcclient.InferInput("max_tokens", [1, 1], "INT32"), grpcclient.InferInput("stream", [1, 1], "BOOL")]
+    for t, v in zip(inputs, (ids, np.array([[500]], np.int32), np.array([[True]]))):
+        t.set_data_from_numpy(v)
+    responses: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: responses.put((result, error)))
+    c.async_stream_infer("spork", inputs)
+    for _ in range(3):
+        result, error = responses.get(timeout=120)
+        assert error is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.monotonic() + 30
+    while "request cancelled, its KV caches released" not in server.cfg.log.read_text():
+        assert time.monotonic() < deadline, "the cancelled request was not stopped"
+        time.sleep(0.2)
+
+
+def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
+    ports = [str(free_port()) for _ in range(3)]
+    p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
+                          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                          "--log", str(tmp_path / "triton.log")], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not any(line.startswith("ready:") for line in lines):
+            lines.append(p.stderr.readline())
+            assert lines[-1] or p.poll() is None, "".join(lines)
+        assert f"HTTP 127.0.0.1:{ports[0]}" in lines[-1] and f"gRPC 127.0.0.1:{ports[1]}" in lines[-1]
+        assert query("Say hi.", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate", max_tokens=4)).text
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0
+    finally:
+        p.kill()
+    with pytest.raises(UserError, match="cannot reach Triton"):
+        query("hi", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate"))
