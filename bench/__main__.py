@@ -7,6 +7,7 @@ EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
+  python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
 
@@ -41,12 +42,24 @@ def main(argv=None) -> int:
     pl.set_defaults(limit=8)
     pl.add_argument("--skip-transformers", action="store_true")
     pl.add_argument("--json", action="store_true")
+    sv = sub.add_parser("serve", help="through Triton: concurrency sweep, spork vs plain, overhead vs local",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(sv)
+    sv.set_defaults(limit=16, engines="engines/default")
+    sv.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of client counts")
+    sv.add_argument("--modes", default="spork,plain", help="spec_mode values to compare")
+    sv.add_argument("--out", default="results/serve")
+    sv.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
         if args.command == "run":
             from . import run
 
             return run.main(args)
+        if args.command == "serve":
+            from . import serve
+
+            return serve.main(args)
         if args.command == "worker":
             from . import worker
 

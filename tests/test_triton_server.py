@@ -134,20 +134,71 @@ def test_bad_input_is_an_error_naming_the_problem_while_others_carry_on(server, 
     assert query(prompt, cfg(server, "http")).text == local(prompt)  # and the server still serves
 
 
-def test_concurrent_requests_get_their_own_answers(server, local):
-    prompts = mt_bench_prompts(8)[3:8] + humaneval_prompts(3)[1:3]
-    protocols = [PROTOCOLS[k % len(PROTOCOLS)] for k in range(len(prompts))]
+def test_16_concurrent_streaming_clients_get_their_own_answers(server, local):
+    prompts = mt_bench_prompts(12)[4:12] + humaneval_prompts(8)  # 16 different prompts
+    streams = [("grpc", True), ("generate", True)]
     got: dict[int, str] = {}
 
     def one(k: int) -> None:
-        got[k] = query(prompts[k], cfg(server, *protocols[k], max_tokens=24)).text
+        got[k] = query(prompts[k], cfg(server, *streams[k % 2], max_tokens=16)).text
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
-    assert [got.get(k) for k in range(len(prompts))] == [local(p, 24) for p in prompts]
+    assert [got.get(k) for k in range(len(prompts))] == [local(p, 16) for p in prompts]
+
+
+def metric(server, name: str) -> float:
+    """Sum of a Triton counter over the two entry points."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.cfg.metrics_port}/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(name + "{") and ('model="ensemble"' in line or 'model="ensemble_unary"' in line))
+
+
+def test_100_bad_requests_among_good_ones(server, local):
+    """Bad requests of every kind, interleaved with good ones from 8 clients at once: each bad one gets an error
+    that names its problem, each good one the right text, and Triton's own counters agree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad_kinds = [({"max_tokens": 0}, "max_tokens must be a positive"),
+                 ({"max_tokens": 100_000}, "is beyond the context"),
+                 ({"temperature": -2.0}, "temperature must be >= 0"),
+                 ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+                 ({"spec_mode": "warp"}, "unknown spec_mode 'warp'")]
+    protocols = PROTOCOLS[:2] + PROTOCOLS[3:]  # every entry point, streaming or not
+    good_prompts = mt_bench_prompts(4)
+    want = {p: local(p, 8) for p in good_prompts}  # computed here: the local runtime serves one thread
+    jobs = [("bad", k) for k in range(100)]
+    for k in range(len(good_prompts) * 2):  # a good one about every 12 bad ones
+        jobs.insert(k * 13 + 6, ("good", k))
+    success0, failure0 = metric(server, "nv_inference_request_success"), metric(server, "nv_inference_request_failure")
+
+    def run(job) -> bool:
+        kind, k = job
+        protocol, stream = protocols[k % len(protocols)]
+        if kind == "good":
+            prompt = good_prompts[k % len(good_prompts)]
+            return query(prompt, cfg(server, protocol, stream, max_tokens=8)).text == want[prompt]
+        over, needle = bad_kinds[k % len(bad_kinds)]
+        if k % 10 == 9:
+            over, needle = {}, "text_input is empty"
+        try:
+            query("" if not over else "hi", cfg(server, protocol, stream, **over))
+        except UserError as e:
+            return needle in str(e)
+        return False
+
+    with ThreadPoolExecutor(8) as pool:
+        ok = list(pool.map(run, jobs))
+    assert all(ok), [j for j, good in zip(jobs, ok) if not good]
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=30) as r:
+        assert r.status == 200
+    n_good = sum(kind == "good" for kind, _ in jobs)
+    assert metric(server, "nv_inference_request_success") - success0 == n_good
+    assert metric(server, "nv_inference_request_failure") - failure0 >= 100
 
 
 def test_cancelled_stream_frees_its_request(server, default_tokenizer):

@@ -1,0 +1,146 @@
+"""`python -m bench serve`: the served ensemble under load, spork vs plain at each concurrency, plus local
+`generate` on the same prompts (the Triton overhead at one client).
+
+Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming; one
+warm-up request per mode is excluded. Per request: time to first text, end-to-end time, output tokens (steps x
+mean accepted length, from the response's stats). The server's resident memory (tritonserver plus its python
+stubs) is read after warm-up and after the sweep.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from spork_trt.client import ClientConfig, query
+from spork_trt.errors import UserError
+
+from .prompts import git_sha, load_prompts
+
+
+def tree_rss_mb(pid: int) -> float:
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def one(prompt: str, cfg: ClientConfig) -> dict:
+    r = query(prompt, cfg)
+    tokens = round(r.stats["num_steps"] * r.stats["mean_accepted_length"])
+    return {"ttft_s": r.ttft_s, "e2e_s": r.time_s, "tokens": tokens,
+            "itl_s": (r.time_s - r.ttft_s) / max(1, tokens - 1), "steps": r.stats["num_steps"],
+            "accepted": r.stats["total_accepted_draft_tokens"], "drafted": r.stats["total_draft_tokens"],
+            "text": r.text}
+
+
+def level(prompts: list[str], mode: str, conc: int, url: str, max_tokens: int) -> dict:
+    cfg = ClientConfig(url=url, protocol="grpc", stream=True, max_tokens=max_tokens, spec_mode=mode)
+    n = max(len(prompts), conc)
+    work = [prompts[k % len(prompts)] for k in range(n)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(conc) as pool:
+        rows = list(pool.map(lambda p: one(p, cfg), work))
+    wall = time.perf_counter() - t
+    e2e = [r["e2e_s"] for r in rows]
+    drafted = sum(r["drafted"] for r in rows)
+    return {"mode": mode, "concurrency": conc, "requests": n, "wall_s": round(wall, 3),
+            "requests_per_second": round(n / wall, 3),
+            "output_tokens_per_second": round(sum(r["tokens"] for r in rows) / wall, 2),
+            "ttft_p50_s": round(pct([r["ttft_s"] for r in rows], 50), 3),
+            "itl_mean_s": round(statistics.fmean(r["itl_s"] for r in rows), 4),
+            "e2e_p50_s": round(pct(e2e, 50), 3), "e2e_p90_s": round(pct(e2e, 90), 3),
+            "e2e_p99_s": round(pct(e2e, 99), 3),
+            "acceptance_rate": round(sum(r["accepted"] for r in rows) / drafted, 3) if drafted else 0.0,
+            "texts": [r["text"] for r in rows]}
+
+
+def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> dict:
+    """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
+    from spork_trt.config import GenerateConfig, SpecConfig
+    from spork_trt.runtime import Runtime
+
+    rt = Runtime.from_engines(engines)
+    spec = SpecConfig.for_draft(SpecConfig.draft)
+    ids = [rt.tokenizer.encode_prompt(p) for p in prompts]
+    rt.generate(ids[0], GenerateConfig(max_new_tokens=16), mode, spec)  # warm-up
+    tokens, t = 0, time.perf_counter()
+    texts = []
+    for p in ids:
+        res = rt.generate(p, GenerateConfig(max_new_tokens=max_tokens), mode, spec)
+        tokens += len(res.token_ids)
+        texts.append(res.text)
+    wall = time.perf_counter() - t
+    return {"mode": mode, "tokens_per_second": round(tokens / wall, 2), "texts": texts}
+
+
+def table(s: dict) -> str:
+    lines = ["| mode | concurrency | requests/s | output tokens/s | TTFT p50 s | ITL mean ms | e2e p50 s | e2e p90 s "
+             "| e2e p99 s | acceptance |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in s["levels"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests_per_second']:.2f} | "
+                     f"{r['output_tokens_per_second']:.1f} | {r['ttft_p50_s']:.2f} | {r['itl_mean_s'] * 1000:.1f} | "
+                     f"{r['e2e_p50_s']:.2f} | {r['e2e_p90_s']:.2f} | {r['e2e_p99_s']:.2f} | "
+                     f"{r['acceptance_rate']:.2f} |")
+    for mode, o in s["overhead"].items():
+        lines.append(f"\n{mode}: local generate {o['local_tokens_per_second']:.1f} tokens/s, through Triton at "
+                     f"concurrency 1 {o['served_tokens_per_second']:.1f} tokens/s ({o['served_vs_local']:.2f}x); "
+                     f"same text: {o['same_text']}")
+    m = s["server_rss_mb"]
+    lines.append(f"\nserver resident memory: {m['after_warmup']:.0f} MB after warm-up, {m['after_sweep']:.0f} MB after "
+                 f"the sweep ({m['growth']:+.1%})")
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    from spork_trt.serve import ServerConfig, TritonServer, free_port
+
+    engines = Path(a.engines or "engines/default")
+    levels = [int(c) for c in a.concurrency.split(",")]
+    if any(c < 1 for c in levels):
+        raise UserError(f"--concurrency takes positive integers, got {a.concurrency}")
+    modes = a.modes.split(",")
+    prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
+    repo = engines / "triton_repo"
+    cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
+               "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": []}
+    print(f"[bench serve] starting Triton on {repo}", file=sys.stderr, flush=True)
+    with TritonServer(cfg) as server:
+        for mode in modes:
+            one(prompts[0], ClientConfig(url=server.grpc_url, stream=True, max_tokens=16, spec_mode=mode))
+        rss0 = tree_rss_mb(server.proc.pid)
+        for conc in levels:
+            for mode in modes:
+                print(f"[bench serve] {mode} at concurrency {conc}", file=sys.stderr, flush=True)
+                summary["levels"].append(level(prompts, mode, conc, server.grpc_url, a.max_new_tokens))
+        rss1 = tree_rss_mb(server.proc.pid)
+    summary["server_rss_mb"] = {"after_warmup": round(rss0, 1), "after_sweep": round(rss1, 1),
+                                "growth": round(rss1 / rss0 - 1, 4)}
+    summary["overhead"] = {}
+    for mode in modes:
+        print(f"[bench serve] local generate ({mode})", file=sys.stderr, flush=True)
+        local = local_arm(engines, prompts, mode, a.max_new_tokens)
+        served = next((r for r in summary["levels"] if r["mode"] == mode and r["concurrency"] == 1), None)
+        if served:
+            summary["overhead"][mode] = {
+                "local_tokens_per_second": local["tokens_per_second"],
+                "served_tokens_per_second": served["output_tokens_per_second"],
+                "served_vs_local": round(served["output_tokens_per_second"] / local["tokens_per_second"], 3),
+                "same_text": served["texts"][:len(prompts)] == local["texts"]}
+    for r in summary["levels"]:
+        r.pop("texts")
+    (out / "serve_summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "serve_summary.md").write_text(table(summary) + "\n")
+    print(json.dumps(summary) if a.json else table(summary))
+    return 0
