@@ -1,7 +1,8 @@
-"""Benchmark arms: `plain` or `spork/DRAFT[/KxMxN]` (tree width x depth x budget), e.g. `spork/self-int8/2x5x10`."""
+"""Benchmark arms: `plain` or `spork/DRAFT[/KxMxN][/fixed]` (tree width x depth x budget; `fixed`: the scheduler's
+cost-aware pruning and depth changes off), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spork_trt.config import SpecConfig
 from spork_trt.errors import UserError
@@ -18,8 +19,10 @@ def parse_arm(name: str) -> Arm:
     if name == "plain":
         return Arm(name, "plain", SpecConfig())
     parts = name.split("/")
+    fixed = parts[-1] == "fixed"
+    parts = parts[:-1] if fixed else parts
     if parts[0] != "spork" or len(parts) not in (2, 3):
-        raise UserError(f"bad arm {name!r}: use plain or spork/DRAFT[/KxMxN], e.g. spork/ngram/3x6x12")
+        raise UserError(f"bad arm {name!r}: use plain or spork/DRAFT[/KxMxN][/fixed], e.g. spork/ngram/3x6x12")
     spec = SpecConfig.for_draft(parts[1])
     if len(parts) == 3:
         try:
@@ -27,4 +30,4 @@ def parse_arm(name: str) -> Arm:
         except ValueError:
             raise UserError(f"bad tree shape in arm {name!r}: write width x depth x budget, e.g. 2x5x10") from None
         spec = SpecConfig(draft=parts[1], tree_width=k, tree_depth=m, tree_budget=n)
-    return Arm(name, "spork", spec)
+    return Arm(name, "spork", replace(spec, adaptive=not fixed))

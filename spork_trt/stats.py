@@ -15,6 +15,7 @@ class Stats:
     propose_s: float = 0.0
     verify_s: float = 0.0
     fallbacks: int = 0  # times recovery switched to plain decoding
+    pruned_tokens: int = 0  # draft tokens the scheduler dropped before verification
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps
 
     @property

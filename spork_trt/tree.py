@@ -31,6 +31,13 @@ class DraftTree:
     def root_only(cls, root: int) -> DraftTree:
         return cls((root,), (-1,))
 
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The nodes `keep` (ascending, root first, every kept node's parent kept), renumbered in that order."""
+        new = {old: i for i, old in enumerate(keep)}
+        parents = tuple(-1 if i == 0 else new[self.parents[old]] for i, old in enumerate(keep))
+        q = None if self.q is None else self.q[list(keep)]
+        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q)
+
 
 @dataclass(frozen=True)
 class TreeBuffers:

@@ -30,6 +30,10 @@ class Verdict:
     accepted: tuple[int, ...]  # accepted draft tokens
     bonus: int  # the target's token after the path
 
+    def renumber(self, keep: list[int]) -> Verdict:
+        """The same verdict over the tree a subtree(keep) was cut from."""
+        return Verdict(tuple(keep[i] for i in self.path), self.accepted, self.bonus)
+
 
 def verify_greedy(tree: DraftTree, children: tuple[tuple[int, ...], ...], logits: torch.Tensor) -> Verdict:
     """logits [N, V] of the target at every node."""

@@ -50,18 +50,19 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5
 @pytest.mark.parametrize("kind", ["ngram", "hybrid", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
 @pytest.mark.parametrize("width,depth", [(1, 1), (1, 4), (1, 8), (2, 3), (3, 5), (4, 8), (4, 2)])
 def test_spork_greedy_equals_plain_greedy(target, kind, width, depth):
-    spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=max(1, width * depth - 1))
     drafter = drafter_for(kind, target)
-    for prompt in PROMPTS:
-        want = run(target, prompt, 40).token_ids
-        got = run(target, prompt, 40, drafter, spec)
-        assert got.token_ids == want, (kind, width, depth, prompt)
-        assert got.stats.committed_tokens == 40
+    for adaptive in (True, False):  # cost-aware pruning and depth changes on, and the fixed shape
+        spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=max(1, width * depth - 1), adaptive=adaptive)
+        for prompt in PROMPTS:
+            want = run(target, prompt, 40).token_ids
+            got = run(target, prompt, 40, drafter, spec)
+            assert got.token_ids == want, (kind, width, depth, prompt, adaptive)
+            assert got.stats.committed_tokens == 40
 
 
 @pytest.mark.parametrize("depth", [1, 3, 6])
 def test_perfect_drafter_gets_everything_accepted(target, depth):
-    spec = SpecConfig(tree_width=1, tree_depth=depth, tree_budget=depth)
+    spec = SpecConfig(tree_width=1, tree_depth=depth, tree_budget=depth, adaptive=False)  # the fixed shape
     n = 12 * (depth + 1)
     st = run(target, PROMPTS[0], n, drafter_for("perfect", target), spec).stats
     # the first token comes from the prefill; every later step accepts `depth` draft tokens (+ 1 bonus)
@@ -72,7 +73,7 @@ def test_perfect_drafter_gets_everything_accepted(target, depth):
 def test_perfect_drafter_tree_accepts_nearly_the_full_depth(target):
     # with forks, the K best nodes per depth by cumulative draft probability need not contain the greedy path
     # every time, but for a perfect drafter they nearly always do
-    spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=12)
+    spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=12, adaptive=False)
     st = run(target, PROMPTS[0], 100, drafter_for("perfect", target), spec).stats
     assert st.mean_accepted_length > 4.0 and st.accepted_length_histogram[4] > (st.steps - 1) / 2
 
