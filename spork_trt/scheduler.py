@@ -6,7 +6,7 @@ of the real target verify time by tree size (power-of-two buckets) and of tokens
 plain steps. Each step:
   - prune (greedy only): keep the most likely nodes (sorted by path survival, so every kept node's parent is kept)
     while expected committed tokens per second of verify time grows; keeping none is a plain step;
-  - depth: level 2 recovery halves it after a step with nothing accepted, a success grows it back by one;
+  - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again.
 Pruning only removes nodes before verification, so the output stays token-for-token lossless.
@@ -109,7 +109,7 @@ class Scheduler:
         accepted = len(verdict.accepted)
         self.failures = 0 if accepted else self.failures + 1
         if self.adaptive:
-            self.depth = min(self.spec.tree_depth, self.depth + 1) if accepted else max(1, self.depth // 2)
+            self.depth = min(self.spec.tree_depth, self.depth * 2) if accepted else max(1, self.depth // 2)
         slower = self.adaptive and self.rate.get(False, 0.0) > self.rate[True] and n > 1
         if self.failures >= self.spec.fail_limit or slower:
             self.failures, self.cooling = 0, self.spec.cooldown

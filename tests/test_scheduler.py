@@ -51,7 +51,7 @@ def test_record_learns_odds_and_moves_depth():
     s.record(sub, Verdict((0,), (), 99), True, 0.01, 0.02)
     assert s.depth == 2  # level 2: halved after a failed step
     s.record(sub, Verdict((0, 1), (10,), 99), True, 0.01, 0.02)
-    assert s.depth == 3  # grows back by one
+    assert s.depth == 4  # doubles back
 
 
 def test_level_3_fallback_after_failures_and_when_slower_than_plain():
