@@ -2,7 +2,8 @@
 `generate` on the same prompts (the Triton overhead at one client).
 
 Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming; one
-warm-up request per mode is excluded. Per request: time to first text, end-to-end time, output tokens (steps x
+warm-up burst per mode at the highest concurrency is excluded (it also brings the engines' memory arenas to their
+working-set peak, so the memory figures show growth per request, not the first peak). Per request: time to first text, end-to-end time, output tokens (steps x
 mean accepted length, from the response's stats). The server's resident memory (tritonserver plus its python
 stubs) is read after warm-up and after the sweep.
 """
@@ -117,8 +118,8 @@ def main(a) -> int:
                "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": []}
     print(f"[bench serve] starting Triton on {repo}", file=sys.stderr, flush=True)
     with TritonServer(cfg) as server:
-        for mode in modes:
-            one(prompts[0], ClientConfig(url=server.grpc_url, stream=True, max_tokens=16, spec_mode=mode))
+        for mode in modes:  # warm-up at the highest concurrency: the engines' memory arenas reach their peak
+            level(prompts, mode, max(levels), server.grpc_url, 16)
         rss0 = tree_rss_mb(server.proc.pid)
         for conc in levels:
             for mode in modes:
