@@ -160,7 +160,7 @@ def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
 def error_message(body: bytes, fallback: str) -> str:
     """The `error` of a generate endpoint's error body: JSON, or one server-sent event for generate_stream."""
     text = body.decode("utf-8", "replace").strip()
-    text = text[len("data:"):] if text.startswith("data:") else text
+    text = text.removeprefix("data:")
     try:
         return json.loads(text).get("error", fallback)
     except (json.JSONDecodeError, AttributeError):

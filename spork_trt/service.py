@@ -132,15 +132,22 @@ def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, f
     return np.array([[delta.encode("utf-8")]], np.object_)
 
 
-def engines_dir(model_repository: str, parameter: str) -> Path:
-    """The engines folder named by a rendered config (relative paths are relative to the repository root)."""
-    p = Path(parameter)
-    return p if p.is_absolute() else (Path(model_repository).parent / p).resolve()
+def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """A Triton python model's `initialize` args -> its config parameters, with `engines` resolved to a path
+    (a relative one is relative to the repository root)."""
+    import json
+
+    params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+    p = Path(params["engines"])
+    params["engines"] = str(p if p.is_absolute() else (Path(args["model_repository"]).parent / p).resolve())
+    return params
 
 
-def load_tokenizer_from_engines(engines: Path) -> Tokenizer:
+def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
+    """The tokenizer of the engines a Triton python model's config names."""
     from .export import manifest as mf
 
+    engines = Path(model_parameters(args)["engines"])
     cfg = mf.spec_config(mf.read(engines)["model"])
     return load_tokenizer(engines, "hf", cfg.eos_token_ids)
 

@@ -50,13 +50,19 @@ def tensor(t: io_spec.TritonTensor, io):
         io.optional = True
 
 
+def model_config(name: str, inputs, outputs, **fields):
+    """A ModelConfig with its tensors from io_spec."""
+    c = pb().ModelConfig(name=name, max_batch_size=MAX_BATCH_SIZE, **fields)
+    for t in inputs:
+        tensor(t, c.input.add())
+    for t in outputs:
+        tensor(t, c.output.add())
+    return c
+
+
 def step_config(step: io_spec.TritonStep, name: str, decoupled: bool, params: dict[str, str], kind: str):
     m = pb()
-    c = m.ModelConfig(name=name, backend="python", max_batch_size=MAX_BATCH_SIZE)
-    for t in step.inputs:
-        tensor(t, c.input.add())
-    for t in step.outputs:
-        tensor(t, c.output.add())
+    c = model_config(name, step.inputs, step.outputs, backend="python")
     if decoupled:
         c.model_transaction_policy.decoupled = True
     group = c.instance_group.add(kind=m.ModelInstanceGroup.Kind.Value(kind), count=int(params.pop("_count", 1)))
@@ -69,12 +75,7 @@ def step_config(step: io_spec.TritonStep, name: str, decoupled: bool, params: di
 
 def ensemble_config(name: str, spork: str):
     """An entry point: preprocessing -> `spork` (the decoupled step or its unary twin) -> postprocessing."""
-    m = pb()
-    c = m.ModelConfig(name=name, platform="ensemble", max_batch_size=MAX_BATCH_SIZE)
-    for t in io_spec.ENSEMBLE_INPUTS:
-        tensor(t, c.input.add())
-    for t in io_spec.ENSEMBLE_OUTPUTS:
-        tensor(t, c.output.add())
+    c = model_config(name, io_spec.ENSEMBLE_INPUTS, io_spec.ENSEMBLE_OUTPUTS, platform="ensemble")
     client = {t.name for t in io_spec.ENSEMBLE_INPUTS + io_spec.ENSEMBLE_OUTPUTS}
     for step in io_spec.TRITON_STEPS:
         s = c.ensemble_scheduling.step.add(model_name=spork if step.name == "spork" else step.name, model_version=-1)

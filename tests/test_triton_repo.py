@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import pytest
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from spork_trt import io_spec
 from spork_trt.errors import UserError
-from spork_trt.service import engines_dir
+from spork_trt.service import model_parameters
 from spork_trt.triton_repo import RepoConfig, render
 
 pytestmark = pytest.mark.slow  # needs a default build
@@ -35,7 +35,9 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
             assert len(c.output) == len(step.outputs) and all(same(o, t) for o, t in zip(c.output, step.outputs))
             assert c.model_transaction_policy.decoupled == (model == "spork")
             assert (repo / model / "1" / "model.py").is_file()
-            assert engines_dir(str(repo / model), c.parameters["engines"].string_value) == default_engines.resolve()
+            args = {"model_config": json_format.MessageToJson(c, preserving_proto_field_name=True),
+                    "model_repository": str(repo / model)}  # what Triton hands initialize()
+            assert model_parameters(args)["engines"] == str(default_engines.resolve())
             gpu = profile == "gpu" and model == spork
             assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
         sp = load(repo, spork)

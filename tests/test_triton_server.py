@@ -75,7 +75,7 @@ def test_same_greedy_text_over_every_protocol(server, local):
 
 def test_cli_generate_and_client_agree(server, default_engines):
     prompt = mt_bench_prompts(1)[0]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "spork_trt", *a], capture_output=True, text=True,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "spork_trt", *a], capture_output=True, text=True,
                                     timeout=300)
     local = run("generate", prompt, "--engines", str(default_engines), "--max-new-tokens", str(MAX_TOKENS), "--json")
     assert local.returncode == 0, local.stderr

@@ -1,17 +1,14 @@
 """Triton python model `postprocessing`: the spork step's token ids -> the text this response adds.
 Stateless (every response carries the ids so far and how many were sent before), so a stream never splits a
 multi-byte character. A thin adapter: the logic is spork_trt.service.decode_chunk (tested without Triton)."""
-import json
-
 import triton_python_backend_utils as pb_utils
 
-from spork_trt.service import decode_chunk, engines_dir, load_tokenizer_from_engines
+from spork_trt.service import decode_chunk, model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"])["parameters"]
-        self.tok = load_tokenizer_from_engines(engines_dir(args["model_repository"], params["engines"]["string_value"]))
+        self.tok = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []

@@ -1,17 +1,14 @@
 """Triton python model `preprocessing`: text_input -> input_ids through the chat template.
 A thin adapter: the logic is spork_trt.service.encode_text (tested without Triton)."""
-import json
-
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import encode_text, engines_dir, load_tokenizer_from_engines
+from spork_trt.service import encode_text, model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"])["parameters"]
-        self.tok = load_tokenizer_from_engines(engines_dir(args["model_repository"], params["engines"]["string_value"]))
+        self.tok = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []

@@ -4,12 +4,13 @@ KV caches (ONNX Runtime releases the GIL while it computes); a cancelled request
 its state. A thin adapter: the logic is spork_trt.service (tested without Triton)."""
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from spork_trt import io_spec
 from spork_trt.errors import UserError
-from spork_trt.service import Service, engines_dir
+from spork_trt.service import Service, model_parameters
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -28,11 +29,9 @@ def error_response(e):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config["parameters"].items()}
-        engines = engines_dir(args["model_repository"], params["engines"])
-        self.service = Service.load(engines, params["draft"], tuple(params["providers"].split(",")))
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        params = model_parameters(args)
+        self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.pool = ThreadPoolExecutor(max_workers=int(params["max_concurrency"]), thread_name_prefix="spork")
 
     def execute(self, requests):
@@ -49,7 +48,7 @@ class TritonPythonModel:
             if not self.service.run(self.inputs(request), send, cancelled=request.is_cancelled):
                 pb_utils.Logger.log_info("spork: request cancelled, its KV caches released")
                 sender.send(flags=FINAL)  # close the stream
-        except Exception as e:  # noqa: BLE001 - every request gets its own error; the model keeps serving
+        except Exception as e:
             sender.send(error_response(e), flags=FINAL)
 
     def answer(self, request):
@@ -57,7 +56,7 @@ class TritonPythonModel:
         try:
             self.service.run(self.inputs(request), chunks.append, can_stream=False)
             return response(chunks[-1])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return error_response(e)
 
     @staticmethod
