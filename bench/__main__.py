@@ -6,6 +6,7 @@ from spork_trt.errors import UserError
 EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
+  python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
 """
@@ -29,7 +30,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="offline arms side by side (plain always included)", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(r)
-    r.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="plain | spork/DRAFT[/KxMxN]")
+    r.add_argument("--arms", nargs="+", default=DEFAULT_ARMS,
+                   help="plain | spork/DRAFT[/KxMxN][/fixed] | peer/hf-greedy | peer/hf-prompt-lookup")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")

@@ -1,5 +1,6 @@
-"""Benchmark arms: `plain` or `spork/DRAFT[/KxMxN][/fixed]` (tree width x depth x budget; `fixed`: the scheduler's
-cost-aware pruning and depth changes off), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed`."""
+"""Benchmark arms: `plain`, `spork/DRAFT[/KxMxN][/fixed]` (tree width x depth x budget; `fixed`: the scheduler's
+cost-aware pruning and depth changes off), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed`, or a peer:
+`peer/hf-greedy`, `peer/hf-prompt-lookup` (transformers generate from the same checkpoint)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -11,13 +12,20 @@ from spork_trt.errors import UserError
 @dataclass(frozen=True)
 class Arm:
     name: str
-    mode: str  # "plain" | "spork"
+    mode: str  # "plain" | "spork" | "peer"
     spec: SpecConfig
+    peer: str = ""  # bench/peers.py PEERS key, mode "peer" only
 
 
 def parse_arm(name: str) -> Arm:
     if name == "plain":
         return Arm(name, "plain", SpecConfig())
+    if name.startswith("peer/"):
+        from .peers import PEERS
+
+        if name[5:] not in PEERS:
+            raise UserError(f"unknown peer arm {name!r}: use {', '.join('peer/' + p for p in PEERS)}")
+        return Arm(name, "peer", SpecConfig(), name[5:])
     parts = name.split("/")
     fixed = parts[-1] == "fixed"
     parts = parts[:-1] if fixed else parts

@@ -66,16 +66,13 @@ def run_engine(name: str, engine, prompts: list[list[int]], n: int) -> ArmResult
 
 
 def run_transformers(ck: Checkpoint, eos_id: int, prompts: list[list[int]], n: int) -> ArmResult:
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    from .peers import hf_generate, load_hf
 
-    hf_logging.disable_progress_bar()
-    hf = LlamaForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=eos_id)
-    with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0]]), **kw)  # warm-up
-        t = time.perf_counter()
-        tokens = sum(hf.generate(torch.tensor([q]), **kw).shape[1] - len(q) for q in prompts)
+    hf = load_hf(ck)
+    eos = frozenset({eos_id})
+    hf_generate(hf, prompts[0], n, eos, "hf-greedy", min_new=n)  # warm-up
+    t = time.perf_counter()
+    tokens = sum(len(hf_generate(hf, q, n, eos, "hf-greedy", min_new=n)) for q in prompts)
     return ArmResult("transformers generate", tokens, time.perf_counter() - t)
 
 

@@ -1,11 +1,11 @@
 """`python -m bench serve`: the served ensemble under load, spork vs plain at each concurrency, plus local
 `generate` on the same prompts (the Triton overhead at one client).
 
-Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming; one
-warm-up burst per mode at the highest concurrency is excluded (it also brings the engines' memory arenas to their
-working-set peak, so the memory figures show growth per request, not the first peak). Per request: time to first text, end-to-end time, output tokens (steps x
-mean accepted length, from the response's stats). The server's resident memory (tritonserver plus its python
-stubs) is read after warm-up and after the sweep.
+Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming. A warm-up
+burst per mode at the highest concurrency is excluded; it also brings the engines' memory arenas to their
+working-set peak, so the memory figures show growth per request, not the first peak. Per request: time to first
+text, end-to-end time, output tokens (steps x mean accepted length, from the response's stats). The server's
+resident memory (tritonserver plus its python stubs) is read after warm-up and after the sweep.
 """
 from __future__ import annotations
 

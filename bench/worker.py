@@ -6,41 +6,72 @@ import platform
 import resource
 import sys
 import time
+from pathlib import Path
 
 from spork_trt.config import GenerateConfig, SamplingConfig
+from spork_trt.errors import UserError
 from spork_trt.runtime import Runtime
 
 from .arms import parse_arm
 from .prompts import git_sha, load_prompts
 
 
+def make_runner(arm, a):
+    """(backend name, tokenizer, run(prompt ids, cfg) -> (token ids, Stats)) for an arm."""
+    if arm.mode != "peer":
+        rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
+        return rt.backend, rt.tokenizer, lambda ids, cfg: (lambda r: (r.token_ids, r.stats))(
+            rt.generate(ids, cfg, arm.mode, arm.spec))
+    from spork_trt.stats import Stats
+    from spork_trt.tokenizer import load_tokenizer
+    from spork_trt.weights import load_checkpoint
+
+    from .peers import hf_generate, load_hf
+
+    if a.temperature != 0:
+        raise UserError("peer arms are timed greedy only: use --temperature 0")
+    source = a.model
+    if a.engines:
+        from spork_trt.export import manifest as mf
+
+        source = mf.read(Path(a.engines))["source"]["path"]  # the checkpoint the engines were built from
+    ck = load_checkpoint(source)
+    tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+    hf = load_hf(ck)
+
+    def run(ids, cfg):
+        out = hf_generate(hf, ids, cfg.max_new_tokens, tok.eos_ids, arm.peer)
+        return out, Stats(steps=len(out), committed_tokens=len(out))
+
+    return "transformers", tok, run
+
+
 def main(a) -> int:
     from tqdm import tqdm
 
     arm = parse_arm(a.arm)
-    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
+    backend, tokenizer, run = make_runner(arm, a)
     rows = load_prompts(a.prompts, a.limit)
     cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(temperature=a.temperature,
                                                                                   seed=a.seed))
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-              "arm": arm.name, "backend": rt.backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
+              "arm": arm.name, "backend": backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
               "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode == "spork" else None}
-    ids = [rt.tokenizer.encode_prompt(r["prompt"]) for r in rows]
-    rt.generate(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling), arm.mode, arm.spec)  # warm-up
+    ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
+    run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling))  # warm-up
     with open(a.out, "w") as fh:
         for r, p in tqdm(list(zip(rows, ids)), desc=arm.name, file=sys.stderr, leave=False):
             t = time.perf_counter()
-            res = rt.generate(p, cfg, arm.mode, arm.spec)
+            token_ids, st = run(p, cfg)
             wall = time.perf_counter() - t
-            st = res.stats
             fh.write(json.dumps({**common, "prompt_id": r["id"], "category": r["category"],
-                                 "prompt_tokens": len(p), "tokens": len(res.token_ids), "time_s": wall,
+                                 "prompt_tokens": len(p), "tokens": len(token_ids), "time_s": wall,
                                  "steps": st.steps, "draft_tokens": st.draft_tokens,
                                  "accepted_tokens": st.accepted_tokens, "committed_tokens": st.committed_tokens,
                                  "accepted_length_histogram": st.to_json()["accepted_length_histogram"],
                                  "propose_s": st.propose_s, "verify_s": st.verify_s, "fallbacks": st.fallbacks,
                                  "pruned_tokens": st.pruned_tokens,
-                                 "token_ids": res.token_ids}) + "\n")
+                                 "token_ids": token_ids}) + "\n")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         fh.write(json.dumps({**common, "peak_rss_mb": peak_mb}) + "\n")
     return 0

@@ -1,5 +1,6 @@
-"""The decoding loop: propose -> score (prune) -> verify -> commit, streamed. Plain decoding is the same loop without a drafter
-(each step's tree is the root alone), so both modes share one stop rule, one token accounting, one code path."""
+"""The decoding loop: propose -> score (prune) -> verify -> commit, streamed. Plain decoding is the same loop
+without a drafter (each step's tree is the root alone), so both modes share one stop rule, one token accounting,
+one code path."""
 from __future__ import annotations
 
 import time

@@ -89,7 +89,8 @@ def run(service, prompt_ids, max_tokens, stream, cancel_after=None):
     chunks: list[Chunk] = []
     inputs = {"input_ids": np.array([prompt_ids], np.int32), "max_tokens": one(max_tokens, np.int32),
               "stream": one(stream, np.bool_)}
-    done = service.run(inputs, chunks.append, cancelled=lambda: cancel_after is not None and len(chunks) >= cancel_after)
+    done = service.run(inputs, chunks.append,
+                       cancelled=lambda: cancel_after is not None and len(chunks) >= cancel_after)
     return done, chunks
 
 
