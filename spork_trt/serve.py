@@ -107,7 +107,9 @@ class TritonServer:
     """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, cfg: ServerConfig) -> None:
-        if not (cfg.repo / "ensemble" / "config.pbtxt").is_file():
+        from .triton_repo import is_rendered
+
+        if not is_rendered(cfg.repo):
             raise UserError(f"{cfg.repo} is not a rendered repository: run `python -m export triton` first")
         self.cfg, self.proc = cfg, None
 

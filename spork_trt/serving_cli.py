@@ -73,11 +73,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .serve import ServerConfig, TritonServer
-    from .triton_repo import RepoConfig, render
+    from .triton_repo import RepoConfig, ensure_rendered
 
-    repo = Path(a.repo) if a.repo else RepoConfig(Path(a.engines)).repo
-    if a.repo is None and not (repo / "ensemble" / "config.pbtxt").is_file():
-        render(RepoConfig(Path(a.engines)))
+    repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)))
     cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None)
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as cleanly as Ctrl-C
     print(f"starting tritonserver on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
@@ -137,16 +135,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from .client import query
     from .export.build import BuildConfig, build
     from .serve import ServerConfig, TritonServer, free_port
-    from .triton_repo import RepoConfig
+    from .triton_repo import RepoConfig, ensure_rendered
 
     engines = Path(a.engines)
     if not (engines / "manifest.json").is_file():
         build(BuildConfig(out=engines))  # also renders the Triton repository
-    repo = RepoConfig(engines).repo
-    if not (repo / "ensemble" / "config.pbtxt").is_file():
-        from .triton_repo import render
-
-        render(RepoConfig(engines))
+    repo = ensure_rendered(RepoConfig(engines))
     cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     print(f"[demo] starting Triton on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     with TritonServer(cfg) as server:

@@ -33,6 +33,8 @@ class DraftTree:
 
     def subtree(self, keep: list[int]) -> DraftTree:
         """The nodes `keep` (ascending, root first, every kept node's parent kept), renumbered in that order."""
+        if len(keep) == len(self.tokens):
+            return self  # nothing pruned (every plain step, every unpruned tree): no copy on the per-step path
         new = {old: i for i, old in enumerate(keep)}
         parents = tuple(-1 if i == 0 else new[self.parents[old]] for i, old in enumerate(keep))
         q = None if self.q is None else self.q[list(keep)]

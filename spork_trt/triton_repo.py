@@ -86,6 +86,15 @@ def ensemble_config(name: str, spork: str):
     return c
 
 
+def is_rendered(repo: Path) -> bool:
+    return (repo / "ensemble" / "config.pbtxt").is_file()
+
+
+def ensure_rendered(cfg: RepoConfig) -> Path:
+    """The repository, rendered first if it is absent (an existing one, maybe edited by hand, is kept)."""
+    return cfg.repo if is_rendered(cfg.repo) else render(cfg)
+
+
 def render(cfg: RepoConfig) -> Path:
     """Write the repository; returns its path. Idempotent: rewrites every file it owns."""
     from google.protobuf import text_format
