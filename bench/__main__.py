@@ -9,6 +9,8 @@ EXAMPLES = """examples:
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
+  python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
+  python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
 
@@ -31,9 +33,18 @@ def main(argv=None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(r)
     r.add_argument("--arms", nargs="+", default=DEFAULT_ARMS,
-                   help="plain | spork/DRAFT[/KxMxN][/fixed] | peer/hf-greedy | peer/hf-prompt-lookup")
+                   help="plain | spork/DRAFT[/KxMxN][/fixed][/verifier|/noverifier] | gate/DRAFT/TAU | "
+                        "peer/hf-greedy | peer/hf-prompt-lookup")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(gt)
+    gt.set_defaults(engines="engines/default", limit=20)
+    gt.add_argument("--taus", default="0.3,0.5,0.7,0.9", help="comma list of thresholds (default: %(default)s)")
+    gt.add_argument("--draft", default="ngram", help="the drafter (default: %(default)s)")
+    gt.add_argument("--out", default="results/gate")
+    gt.add_argument("--json", action="store_true")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
     add_common(w)
     w.add_argument("--arm", required=True)
@@ -62,6 +73,10 @@ def main(argv=None) -> int:
             from . import serve
 
             return serve.main(args)
+        if args.command == "gate":
+            from . import gate
+
+            return gate.main(args)
         if args.command == "worker":
             from . import worker
 

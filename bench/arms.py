@@ -1,6 +1,8 @@
-"""Benchmark arms: `plain`, `spork/DRAFT[/KxMxN][/fixed]` (tree width x depth x budget; `fixed`: the scheduler's
-cost-aware pruning and depth changes off), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed`, or a peer:
-`peer/hf-greedy`, `peer/hf-prompt-lookup` (transformers generate from the same checkpoint)."""
+"""Benchmark arms: `plain`, `spork/DRAFT[/KxMxN][/fixed][/verifier]` (tree width x depth x budget; `fixed`: the
+scheduler's cost-aware pruning and depth changes off; `verifier`: the calibrated verifier scores every step,
+`noverifier`: never), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed/verifier`; `gate/DRAFT/TAU` (lossy gate
+mode, e.g. `gate/ngram/0.5`); or a peer: `peer/hf-greedy`, `peer/hf-prompt-lookup` (transformers generate from the
+same checkpoint)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -12,7 +14,7 @@ from spork_trt.errors import UserError
 @dataclass(frozen=True)
 class Arm:
     name: str
-    mode: str  # "plain" | "spork" | "peer"
+    mode: str  # "plain" | "spork" | "gate" | "peer"
     spec: SpecConfig
     peer: str = ""  # bench/peers.py PEERS key, mode "peer" only
 
@@ -27,10 +29,20 @@ def parse_arm(name: str) -> Arm:
             raise UserError(f"unknown peer arm {name!r}: use {', '.join('peer/' + p for p in PEERS)}")
         return Arm(name, "peer", SpecConfig(), name[5:])
     parts = name.split("/")
-    fixed = parts[-1] == "fixed"
-    parts = parts[:-1] if fixed else parts
+    if parts[0] == "gate":
+        try:
+            tau = float(parts[2]) if len(parts) == 3 else -1.0
+        except ValueError:
+            tau = -1.0
+        if not 0 < tau <= 1:
+            raise UserError(f"bad arm {name!r}: use gate/DRAFT/TAU with TAU in (0, 1], e.g. gate/ngram/0.5")
+        return Arm(name, "gate", SpecConfig.for_draft(parts[1], gate_tau=tau))
+    flags = {"fixed": False, "verifier": False, "noverifier": False}
+    while parts[-1] in flags:
+        flags[parts.pop()] = True
     if parts[0] != "spork" or len(parts) not in (2, 3):
-        raise UserError(f"bad arm {name!r}: use plain or spork/DRAFT[/KxMxN][/fixed], e.g. spork/ngram/3x6x12")
+        raise UserError(f"bad arm {name!r}: use plain, spork/DRAFT[/KxMxN][/fixed][/verifier] or gate/DRAFT/TAU, "
+                        "e.g. spork/ngram/3x6x12")
     spec = SpecConfig.for_draft(parts[1])
     if len(parts) == 3:
         try:
@@ -38,4 +50,5 @@ def parse_arm(name: str) -> Arm:
         except ValueError:
             raise UserError(f"bad tree shape in arm {name!r}: write width x depth x budget, e.g. 2x5x10") from None
         spec = SpecConfig(draft=parts[1], tree_width=k, tree_depth=m, tree_budget=n)
-    return Arm(name, "spork", replace(spec, adaptive=not fixed))
+    verifier = "on" if flags["verifier"] else "off" if flags["noverifier"] else spec.verifier
+    return Arm(name, "spork", replace(spec, adaptive=not flags["fixed"], verifier=verifier))

@@ -51,10 +51,11 @@ def summarize(files: list[Path]) -> dict:
         tps = sum(r["tokens"] for r in rows) / sum(r["time_s"] for r in rows)
         plain_tps = (sum(r["tokens"] for r in plain.values()) / sum(r["time_s"] for r in plain.values())
                      if plain else None)
-        greedy, peer = rows[0]["temperature"] == 0, arm.startswith("peer/")
-        differs = sum(1 for r in rows if greedy and r["prompt_id"] in plain
-                      and r["token_ids"] != plain[r["prompt_id"]]["token_ids"])
-        mismatches = None if peer else differs  # a peer is another engine: reported, not a lossless failure
+        greedy, lossy = rows[0]["temperature"] == 0, arm.startswith(("peer/", "gate/"))
+        pairs = [(r["token_ids"], plain[r["prompt_id"]]["token_ids"]) for r in rows
+                 if greedy and r["prompt_id"] in plain]
+        differs = sum(1 for ours, ref in pairs if ours != ref)
+        mismatches = None if lossy else differs  # a peer or gate mode: reported, not a lossless failure
         if mismatches:
             print(f"[bench] LOSSLESS MISMATCH: {arm} differs from plain on {mismatches} {prompts} prompts",
                   file=sys.stderr)
@@ -73,6 +74,9 @@ def summarize(files: list[Path]) -> dict:
             "pruned_fraction": round(sum(r.get("pruned_tokens", 0) for r in rows) /
                                      max(1, drafted + sum(r.get("pruned_tokens", 0) for r in rows)), 3),
             "lossless_mismatches": mismatches, "differs_from_plain": differs,
+            "draft_tokens": drafted, "verifier_offs": sum(r.get("verifier_offs", 0) for r in rows),
+            "scored_steps": sum(r.get("scored_steps", 0) for r in rows),
+            "gated_tokens": sum(r.get("gated_tokens", 0) for r in rows), **agreement(pairs),
             "peak_rss_mb": round(peaks.get((prompts, arm), 0.0), 1),
             "per_category_tokens_per_second": {c: round(t / s, 3) for c, (t, s) in sorted(cats.items())},
             "backend": rows[0]["backend"], "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"],
@@ -80,6 +84,41 @@ def summarize(files: list[Path]) -> dict:
             "max_new_tokens": rows[0]["max_new_tokens"],
         })
     return {"arms": arms}
+
+
+def agreement(pairs: list[tuple[list[int], list[int]]]) -> dict:
+    """Fidelity against plain (greedy): exact-match rate, token agreement (the share of plain's tokens produced
+    before the first divergence), ROUGE-L F1 over token ids; means over prompts."""
+    if not pairs:
+        return {}
+    n = len(pairs)
+    return {"exact_match_rate": round(sum(a == b for a, b in pairs) / n, 4),
+            "token_agreement": round(sum(common_prefix(a, b) / max(1, len(b)) for a, b in pairs) / n, 4),
+            "rouge_l": round(sum(rouge_l(a, b) for a, b in pairs) / n, 4)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def rouge_l(a: list[int], b: list[int]) -> float:
+    """ROUGE-L F1: longest common subsequence against both lengths."""
+    if not a or not b:
+        return float(a == b)
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(a), lcs / len(b)
+    return 2 * p * r / (p + r)
 
 
 def table(summary: dict) -> str:

@@ -56,7 +56,7 @@ def main(a) -> int:
                                                                                   seed=a.seed))
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
               "arm": arm.name, "backend": backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
-              "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode == "spork" else None}
+              "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}
     ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
     run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling))  # warm-up
     with open(a.out, "w") as fh:
@@ -70,7 +70,9 @@ def main(a) -> int:
                                  "accepted_tokens": st.accepted_tokens, "committed_tokens": st.committed_tokens,
                                  "accepted_length_histogram": st.to_json()["accepted_length_histogram"],
                                  "propose_s": st.propose_s, "verify_s": st.verify_s, "fallbacks": st.fallbacks,
-                                 "pruned_tokens": st.pruned_tokens,
+                                 "pruned_tokens": st.pruned_tokens, "score_s": st.score_s,
+                                 "scored_steps": st.scored_steps, "verifier_offs": st.verifier_offs,
+                                 "gated_tokens": st.gated_tokens,
                                  "token_ids": token_ids}) + "\n")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         fh.write(json.dumps({**common, "peak_rss_mb": peak_mb}) + "\n")

@@ -1,5 +1,5 @@
-"""`python -m export build|inspect|triton`: compile a checkpoint into engines; show what was built; render the
-Triton model repository."""
+"""`python -m export build|inspect|triton|calibrate`: compile a checkpoint into engines; show what was built; render
+the Triton model repository; fit the verifier's confidence head."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,8 @@ EXAMPLES = """examples:
   python -m export inspect engines/default
   python -m export triton                                 # engines/default/triton_repo (cpu profile)
   python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
+  python -m export calibrate                              # fit on mt_bench, report on humaneval
+  python -m export calibrate --prompts humaneval --limit 40 --json
 """
 
 
@@ -51,7 +53,31 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-concurrency", type=int, default=8,
                    help="requests one spork instance runs at once, each on its own KV cache (default: %(default)s)")
     t.add_argument("--draft", default="ngram", help="the drafter the server uses (default: %(default)s)")
+    c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from spork_trt.export.calibrate import CalibrateConfig
+
+    c.add_argument("--engines", default=str(CalibrateConfig.engines), help="a build folder (default: %(default)s)")
+    c.add_argument("--prompts", default=CalibrateConfig.prompts,
+                   help="set to fit on: mt_bench | humaneval | PATH.jsonl (default: %(default)s)")
+    c.add_argument("--heldout", default=None, help="set to report on (default: the other built-in set)")
+    c.add_argument("--limit", type=int, default=CalibrateConfig.limit, help="prompts per set (default: %(default)s)")
+    c.add_argument("--max-new-tokens", type=int, default=CalibrateConfig.max_new_tokens)
+    c.add_argument("--draft", default=CalibrateConfig.draft, help="the drafter whose trees are scored")
+    c.add_argument("--plot", default=None, help="reliability diagram PNG (default: ENGINES/calibration/...)")
+    c.add_argument("--json", action="store_true", help='print {"per_depth": [...], "heldout": ...}')
     return p
+
+
+def calibrate(a) -> int:
+    from spork_trt.export.calibrate import CalibrateConfig, calibrate, table
+
+    if a.limit <= 0 or a.max_new_tokens <= 0:
+        raise UserError("--limit and --max-new-tokens must be positive")
+    report = calibrate(CalibrateConfig(Path(a.engines), a.prompts, a.heldout, a.limit, a.max_new_tokens, a.draft,
+                                       Path(a.plot) if a.plot else None))
+    print(json.dumps(report.to_json()) if a.json else table(report))
+    return 0
 
 
 def triton(a) -> int:
@@ -94,6 +120,8 @@ def main(argv=None) -> int:
             return inspect(a)
         if a.command == "triton":
             return triton(a)
+        if a.command == "calibrate":
+            return calibrate(a)
         from spork_trt.export.build import BuildConfig, build
 
         if a.precision in ("fp16", "bf16", "fp8"):

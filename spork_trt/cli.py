@@ -17,6 +17,8 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
+  python -m spork_trt generate "Explain TCP" --engines engines/default --verifier on   # after export calibrate
+  python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
 """
 
 
@@ -34,8 +36,13 @@ def build_parser() -> Parser:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a completion for PROMPT with the local runtime; text streams to stdout.")
     g.add_argument("prompt", help="the user prompt (sent through the model's chat template unless --raw)")
-    g.add_argument("--mode", choices=["spork", "plain"], default="spork",
-                   help="spork: lossless tree speculative decoding; plain: one token per step (default: spork)")
+    g.add_argument("--mode", choices=["spork", "plain", "gate"], default="spork",
+                   help="spork: lossless tree speculative decoding; plain: one token per step; gate: LOSSY, the "
+                        "calibrated verifier alone accepts paths with confidence >= --tau (default: spork)")
+    g.add_argument("--tau", type=float, default=None, help="gate mode's confidence threshold in (0, 1]")
+    g.add_argument("--verifier", choices=["auto", "on", "off"], default=SpecConfig.verifier,
+                   help="score drafts with the calibrated early-layer verifier: auto (while it pays for itself), "
+                        "on, off (default: %(default)s; needs `python -m export calibrate` and --engines)")
     g.add_argument("--draft", default=SpecConfig.draft,
                    help="ngram | hybrid (ngram, else self-int8) | self-int8 | self-int4 | early-exit:N | "
                         "model:PATH (default: %(default)s)")
@@ -83,7 +90,12 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
                         ("--tree-budget", a.tree_budget)):
         if value is not None and not 1 <= value <= 64:
             raise UserError(f"{flag} must be in 1..64, got {value}")
-    return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget, adaptive=not a.fixed_shape)
+    if a.tau is not None and a.mode != "gate":
+        raise UserError("--tau is gate mode's threshold: add --mode gate (lossy) or drop --tau")
+    if a.tau is not None and not 0 < a.tau <= 1:
+        raise UserError(f"--tau must be in (0, 1], got {a.tau}")
+    return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget, adaptive=not a.fixed_shape,
+                                verifier=a.verifier, gate_tau=a.tau or 0.0)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -94,7 +106,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.engines and a.model:
         raise UserError("pass --model or --engines, not both (engines already name their model)")
     rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
-    if a.mode == "spork":
+    if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
     stream = None
@@ -111,7 +123,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(flush=True)
         st = result.stats
         spec_part = (f", mean accepted length {st.mean_accepted_length:.2f}, acceptance {st.acceptance_rate:.0%}"
-                     if a.mode == "spork" else "")
+                     if a.mode != "plain" else "")
+        spec_part += (f", verifier scored {st.scored_steps} steps" if st.scored_steps else "")
+        spec_part += (f", {st.gated_tokens} tokens accepted by the verifier alone (lossy)" if a.mode == "gate"
+                      else "")
         print(f"[{a.mode}/{rt.backend}] {st.committed_tokens} tokens in {st.time_s:.2f}s "
               f"({st.tokens_per_second:.1f} tokens/s), {st.steps} steps{spec_part}", file=sys.stderr)
     return 0

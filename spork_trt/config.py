@@ -87,11 +87,15 @@ class SpecConfig:
     cooldown: int = 4  # plain steps before probing speculation again
     ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)
     hybrid_min_match: int = 3  # the hybrid drafter uses n-gram drafts only for suffix matches this long
+    verifier: str = "auto"  # auto: score with the calibrated verifier while it pays for itself | on | off
+    tau: float = 0.1  # starting pruning threshold on path survival (adapts toward target_acceptance)
+    target_acceptance: float = 0.7  # acceptance rate of verified draft nodes that tau steers toward
+    gate_tau: float = 0.0  # > 0: lossy gate mode, the verifier alone accepts paths this confident
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,
-                  budget: int | None = None, adaptive: bool = True) -> SpecConfig:
-        """The drafter's measured default shape, with any of width/depth/budget overridden."""
+                  budget: int | None = None, adaptive: bool = True, **more) -> SpecConfig:
+        """The drafter's measured default shape, with any of width/depth/budget (and other fields) overridden."""
         k, m, n = DRAFT_SHAPES.get(draft.partition(":")[0], DRAFT_SHAPES["ngram"])
         return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n,
-                   adaptive=adaptive)
+                   adaptive=adaptive, **more)

@@ -58,7 +58,7 @@ class ModelDrafter:
         base = eng.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
         logits = forward_chain(eng, run)[-1:]  # [1, V]
-        tokens, parents, logp, q_rows = [root], [-1], [0.0], [None]
+        tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
         self.rows = {0: len(run) - 1}
         level = [0]
         for depth in range(1, spec.tree_depth + 1):
@@ -68,11 +68,12 @@ class ModelDrafter:
             pick = self.top_children if self.sampling.greedy else self.sampled_children
             chosen = pick(level, logits, logp, spec.tree_width, min(spec.tree_width, room))
             level = []
-            for score, parent, tok, q in chosen:
+            for cum, parent, tok, q in chosen:
                 level.append(len(tokens))
                 tokens.append(tok)
                 parents.append(parent)
-                logp.append(score)
+                score.append(math.exp(min(0.0, cum - logp[parent])))
+                logp.append(cum)
                 q_rows.append(q)
             if not level or depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
                 break
@@ -80,7 +81,7 @@ class ModelDrafter:
         q = None
         if not self.sampling.greedy:
             q = torch.stack([torch.zeros_like(q_rows[1]) if r is None else r for r in q_rows])  # [N, V]
-        return DraftTree(tuple(tokens), tuple(parents), q)
+        return DraftTree(tuple(tokens), tuple(parents), q, tuple(score))
 
     def top_children(self, level, logits, logp, k: int, slots: int) -> list[tuple]:
         """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
@@ -156,6 +157,7 @@ class NgramDrafter:
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         ctx = self.context + [root]
         conts: list[list[int]] = []
+        scores: list[float] = []  # per continuation: its matched suffix length / max_n
         for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             suffix = ctx[-n:]
             for i in range(len(ctx) - n - 1, -1, -1):  # latest match first
@@ -163,9 +165,10 @@ class NgramDrafter:
                     cont = ctx[i + n:i + n + spec.tree_depth]
                     if cont and not any(c[:len(cont)] == cont for c in conts):
                         conts.append(cont)
+                        scores.append(n / self.max_n)
                         if len(conts) >= spec.tree_width:
-                            return trie(root, conts, spec.tree_budget)
-        return trie(root, conts, spec.tree_budget)
+                            return trie(root, conts, spec.tree_budget, scores)
+        return trie(root, conts, spec.tree_budget, scores)
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.context += [tree.tokens[i] for i in verdict.path]
@@ -193,11 +196,12 @@ class HybridDrafter:
         self.model.commit(tree, verdict)  # without a proposal of its own this step, it catches up next time
 
 
-def trie(root: int, continuations: list[list[int]], budget: int) -> DraftTree:
-    """Merge token sequences into a tree under `root` (shared prefixes share nodes), at most `budget` draft nodes."""
-    tokens, parents = [root], [-1]
+def trie(root: int, continuations: list[list[int]], budget: int, scores: list[float] | None = None) -> DraftTree:
+    """Merge token sequences into a tree under `root` (shared prefixes share nodes), at most `budget` draft nodes.
+    A node's score is that of the first continuation through it (the best match: they come best first)."""
+    tokens, parents, node_scores = [root], [-1], [1.0]
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    for cont in continuations:
+    for c, cont in enumerate(continuations):
         node = 0
         for t in cont:
             if (node, t) not in index:
@@ -206,5 +210,6 @@ def trie(root: int, continuations: list[list[int]], budget: int) -> DraftTree:
                 index[(node, t)] = len(tokens)
                 tokens.append(t)
                 parents.append(node)
+                node_scores.append(scores[c] if scores else 1.0)
             node = index[(node, t)]
-    return DraftTree(tuple(tokens), tuple(parents))
+    return DraftTree(tuple(tokens), tuple(parents), score=tuple(node_scores))

@@ -16,9 +16,10 @@ from .generate import GenerationResult, OnTokens, generate
 from .sampling import make_generator
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer
+from .verifier import HEAD_FILE, ConfidenceHead, Verifier
 from .weights import load_checkpoint
 
-MODES = ("plain", "spork")
+MODES = ("plain", "spork", "gate")
 DRAFT_HELP = "ngram | hybrid | self-int8 | self-int4 | early-exit:N | model:PATH"
 
 
@@ -43,6 +44,8 @@ class Runtime:
     engine: object  # the target engine
     build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
     backend: str = "torch"
+    verifier_layers: int = 8  # the early-layer verifier (and early-exit draft) of this build
+    head: ConfidenceHead | None = None  # the verifier's calibrated confidence head, when `export calibrate` ran
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
@@ -70,9 +73,10 @@ class Runtime:
         return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
 
     @classmethod
-    def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",)
-                     ) -> Runtime:
-        """ONNX Runtime engines built by `python -m export build`, on the given execution providers."""
+    def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+                     load_head: bool = True) -> Runtime:
+        """ONNX Runtime engines built by `python -m export build`, on the given execution providers; with the
+        verifier's confidence head when `export calibrate` wrote one (and `load_head`)."""
         from .engines.onnx_engine import OnnxEngine
         from .export import manifest as mf
 
@@ -92,7 +96,12 @@ class Runtime:
                             f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
         target = OnnxEngine(d / built["target"]["path"], cfg, providers=providers)
-        return cls(cfg, tok, target, draft_engine, "onnx")
+        layers = built["verifier"]["layers"]
+        head = ConfidenceHead.load(d / HEAD_FILE) if load_head and (d / HEAD_FILE).is_file() else None
+        if head is not None and head.verifier_layers != layers:
+            raise UserError(f"{d / HEAD_FILE} was calibrated for a {head.verifier_layers}-layer verifier, this build "
+                            f"has {layers}: rerun `python -m export calibrate --engines {d}`")
+        return cls(cfg, tok, target, draft_engine, "onnx", layers, head)
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
@@ -108,7 +117,12 @@ class Runtime:
         def draft_engine(kind: str, arg: str):
             return parent.draft_engine(f"{kind}:{arg}" if arg else kind).fresh()
 
-        return Runtime(self.cfg, self.tokenizer, self.engine.fresh(), draft_engine, self.backend)
+        return Runtime(self.cfg, self.tokenizer, self.engine.fresh(), draft_engine, self.backend,
+                       self.verifier_layers, self.head)
+
+    def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
+        """The early-layer verifier (its engine runs on the target engine's cache) with `head` or this build's."""
+        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head or self.head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
         kind, _ = parse_draft(name, self.cfg.n_layers)
@@ -124,9 +138,23 @@ class Runtime:
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
                  stats: Stats | None = None) -> GenerationResult:
         assert mode in MODES, mode
-        drafter = self.drafter(spec.draft, cfg.sampling) if mode == "spork" else None
+        check_verifier(mode, spec, cfg, self.head)
+        drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
+        scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and self.head is not None)
         return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
-                        drafter, spec, stats)
+                        drafter, spec, stats, self.verifier() if scoring else None)
+
+
+def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | None) -> None:
+    """Gate mode and a forced verifier need a calibrated head; gate mode is greedy only."""
+    if mode == "gate" and not spec.gate_tau > 0:
+        raise UserError("--mode gate needs --tau in (0, 1]: the path confidence above which the verifier alone "
+                        "accepts")
+    if mode == "gate" and not cfg.sampling.greedy:
+        raise UserError("--mode gate is greedy only (it is measured against greedy decoding): drop --temperature")
+    if (mode == "gate" or spec.verifier == "on") and head is None:
+        raise UserError("the verifier has no calibrated confidence head: run `python -m export calibrate` on the "
+                        "engines and pass them with --engines")
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_draft: int, where: str) -> None:

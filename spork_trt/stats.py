@@ -16,6 +16,11 @@ class Stats:
     verify_s: float = 0.0
     fallbacks: int = 0  # times recovery switched to plain decoding
     pruned_tokens: int = 0  # draft tokens the scheduler dropped before verification
+    score_s: float = 0.0  # time in the verifier
+    scored_steps: int = 0  # steps the verifier scored
+    verifier_offs: int = 0  # times the scheduler switched the verifier off because it did not pay
+    gated_steps: int = 0  # gate mode (lossy): steps the verifier alone accepted
+    gated_tokens: int = 0  # tokens committed without target verification
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps
 
     @property
@@ -30,8 +35,16 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.committed_tokens / self.time_s if self.time_s > 0 else 0.0
 
-    def record_step(self, draft: int, accepted: int) -> None:
+    def add_times(self, propose_s: float, score_s: float, verify_s: float, scored: bool) -> None:
+        self.propose_s += propose_s
+        self.score_s += score_s
+        self.verify_s += verify_s
+        self.scored_steps += scored
+
+    def record_step(self, draft: int, accepted: int, gated: int = 0) -> None:
         self.steps += 1
+        self.gated_steps += gated > 0
+        self.gated_tokens += gated
         self.draft_tokens += draft
         self.accepted_tokens += accepted
         self.accepted_length_histogram[accepted] = self.accepted_length_histogram.get(accepted, 0) + 1

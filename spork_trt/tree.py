@@ -19,6 +19,9 @@ class DraftTree:
     # [N, V] the proposal distribution each draft node was drawn from (given its earlier siblings were drawn);
     # None: nodes were chosen deterministically (top-K, n-gram), i.e. a one-hot proposal. Row 0 is unused.
     q: torch.Tensor | None = None
+    # [N] the drafter's own confidence in each node, in [0, 1] (model drafters: the draft probability of the node
+    # given its parent; n-gram: the matched suffix length / the longest it tries); None: none given. Row 0 unused.
+    score: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents) and self.parents[0] == -1, self.parents
@@ -38,7 +41,20 @@ class DraftTree:
         new = {old: i for i, old in enumerate(keep)}
         parents = tuple(-1 if i == 0 else new[self.parents[old]] for i, old in enumerate(keep))
         q = None if self.q is None else self.q[list(keep)]
-        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q)
+        score = None if self.score is None else tuple(self.score[i] for i in keep)
+        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score)
+
+
+    def after(self, chain: list[int]) -> DraftTree:
+        """This tree below a chain of tokens (committed tokens the target has not run yet, gate mode): the chain
+        is nodes 0..B-1 and this tree's root is node B."""
+        if not chain:
+            return self
+        b = len(chain)
+        parents = tuple(range(-1, b - 1)) + tuple(b - 1 if p < 0 else p + b for p in self.parents)
+        q = None if self.q is None else torch.cat([self.q.new_zeros(b, self.q.shape[1]), self.q])
+        score = None if self.score is None else (1.0,) * b + self.score
+        return DraftTree(tuple(chain) + self.tokens, parents, q, score)
 
 
 @dataclass(frozen=True)

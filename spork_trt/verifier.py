@@ -1,0 +1,173 @@
+"""The "score" step: the early-layer verifier and its calibrated confidence head.
+
+The verifier is the target's first N layers + final norm + LM head (`verifier.onnx`, also the early-exit draft).
+It runs on the target's own KV cache: its layers are the target's first N, so the committed prefix rows it needs
+are already there; the rows it writes for the tree are dropped right after (the target writes its own).
+
+Per draft node i (parent p) the head sees features of the verifier's distribution at p (the log probability of
+i's token, of the verifier's own top token, the entropy, whether i's token is the top one, its rank), the
+drafter's own score of i, the verifier's log probability of p's token, how many draft tokens this request's recent
+steps had accepted, and the tree (depth, sibling rank); it returns confidence = P(node accepted | parent accepted), a logistic regression
+fitted by `python -m export calibrate` on real verdicts of the target. Path survival = product of confidences
+along the path (root 1.0); it never grows with depth, so pruning at a threshold keeps every kept node's parent.
+
+The head is stored as JSON (weights, feature standardization, fit metadata): no pickle is ever loaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .tree import DraftTree, compile_tree
+
+HEAD_FILE = "confidence_head.json"
+MAX_DEPTH = 6  # depth one-hot: 1..5 and 6+
+MAX_RANK = 3  # sibling rank one-hot: 0, 1, 2+
+FEATURES = ("logp", "top_logp", "entropy", "is_top", "log_rank", "draft_score", "parent_logp", "recent_accepted",
+            *(f"depth_{d}" for d in range(1, MAX_DEPTH + 1)), *(f"rank_{r}" for r in range(MAX_RANK)))
+
+
+@dataclass(frozen=True)
+class Scored:
+    features: np.ndarray  # [N, F] row 0 (the root) is zeros
+    depth: tuple[int, ...]  # [N]
+    confidence: np.ndarray | None  # [N] P(accepted | parent accepted); root 1.0; None without a head
+    survival: np.ndarray | None  # [N] product of confidences along the path
+
+
+@dataclass(frozen=True)
+class ConfidenceHead:
+    """Logistic regression over standardized FEATURES."""
+
+    weights: tuple[float, ...]  # [F]
+    bias: float
+    mean: tuple[float, ...]  # [F]
+    scale: tuple[float, ...]  # [F]
+    verifier_layers: int
+    meta: dict = field(default_factory=dict)  # drafter, prompts fitted on, held-out metrics
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [N, F] -> P(accepted | parent accepted) [N]."""
+        z = (x - np.asarray(self.mean)) / np.asarray(self.scale) @ np.asarray(self.weights) + self.bias
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def save(self, path: Path) -> Path:
+        path.write_text(json.dumps({"format_version": 1, "features": list(FEATURES), **asdict(self)}, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> ConfidenceHead:
+        d = json.loads(Path(path).read_text())
+        if d.get("format_version") != 1 or d.get("features") != list(FEATURES):
+            raise UserError(f"{path} was written for other confidence features: rerun `python -m export calibrate`")
+        return cls(tuple(d["weights"]), d["bias"], tuple(d["mean"]), tuple(d["scale"]), d["verifier_layers"],
+                   d.get("meta", {}))
+
+
+def fit_head(x: np.ndarray, y: np.ndarray, verifier_layers: int, l2: float = 1e-2, meta: dict | None = None
+             ) -> ConfidenceHead:
+    """x [N, F], y [N] in {0, 1}: L2-regularized logistic regression by Newton's method (convex; a few
+    iterations on a few thousand nodes)."""
+    if len(y) < 20 or y.min() == y.max():
+        raise UserError(f"calibration needs both accepted and rejected nodes (got {len(y)} nodes, "
+                        f"{int(y.sum())} accepted): use more prompts (--limit) or tokens (--max-new-tokens)")
+    mean, scale = x.mean(0), x.std(0)
+    scale[scale < 1e-6] = 1.0
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])  # [N, F + 1]
+    w = np.zeros(z.shape[1])
+    reg = np.full(z.shape[1], l2 * len(y))
+    reg[-1] = 0.0  # the bias is not shrunk
+    for _ in range(50):
+        p = 1.0 / (1.0 + np.exp(-z @ w))
+        grad = z.T @ (p - y) + reg * w
+        hess = (z * (p * (1 - p))[:, None]).T @ z + np.diag(reg + 1e-9)
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return ConfidenceHead(tuple(w[:-1].tolist()), float(w[-1]), tuple(mean.tolist()), tuple(scale.tolist()),
+                          verifier_layers, meta or {})
+
+
+@dataclass
+class Verifier:
+    engine: object  # the target's first N layers + norm + LM head; runs on the target's cache (see module doc)
+    head: ConfidenceHead | None
+
+    def score(self, target, behind: list[int], tree: DraftTree, recent: float = 0.0) -> Scored:
+        """Features (and, with a head, confidences) of every node of `tree`, which follows the target's committed
+        rows and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
+        tokens accepted per step lately (the scheduler's moving average)."""
+        full = tree.after(behind)
+        buf = compile_tree(full.parents, target.length)
+        assert target.pending == 0, "score before the target's forward of this step"
+        self.engine.cache = target.cache
+        logits = self.engine.forward(torch.tensor([full.tokens]), buf.position_ids, buf.mask)[0]  # [B+N, V]
+        target.cache.commit([])  # drop the rows the verifier wrote: the target writes its own
+        b = len(behind)
+        depth = tuple(d - b for d in buf.depth[b:])
+        x = node_features(tree, logits[b:], depth, recent)
+        conf = surv = None
+        if self.head is not None:
+            conf = np.concatenate([[1.0], self.head(x[1:])]) if len(tree) > 1 else np.ones(1)
+            surv = survival(tree.parents, conf)
+        return Scored(x, depth, conf, surv)
+
+
+def node_features(tree: DraftTree, logits: torch.Tensor, depth: tuple[int, ...], recent: float) -> np.ndarray:
+    """logits [N, V] of the verifier at every node, depth [N] (root 0) -> features [N, F] (row 0 zeros)."""
+    n = len(tree)
+    x = np.zeros((n, len(FEATURES)), dtype=np.float64)
+    if n == 1:
+        return x
+    parents = sorted(set(tree.parents[1:]))
+    lp = torch.log_softmax(logits[parents].float(), -1)  # [P, V]
+    row = {p: j for j, p in enumerate(parents)}
+    top = lp.max(-1).values  # [P]
+    ent = -(lp.exp() * lp).sum(-1)  # [P]
+    seen: dict[int, int] = {}
+    node_lp = [0.0] * n  # the verifier's log probability of each node's token (root: 0)
+    c = FEATURES.index("depth_1")
+    for i in range(1, n):
+        p, tok = tree.parents[i], tree.tokens[i]
+        j = row[p]
+        node_lp[i] = max(float(lp[j, tok]), -30.0)
+        rank = int((lp[j] > lp[j, tok]).sum())
+        sib = seen.get(p, 0)
+        seen[p] = sib + 1
+        draft = 1.0 if tree.score is None else tree.score[i]
+        x[i, :c] = (node_lp[i], float(top[j]), float(ent[j]), float(rank == 0), math.log1p(rank), draft,
+                    node_lp[p], math.log1p(recent))
+        x[i, c + min(depth[i], MAX_DEPTH) - 1] = 1.0
+        x[i, c + MAX_DEPTH + min(sib, MAX_RANK - 1)] = 1.0
+    return x
+
+
+def survival(parents: tuple[int, ...], confidence: np.ndarray) -> np.ndarray:
+    """[N] product of confidences from the root to each node (parents precede children)."""
+    s = np.ones(len(parents))
+    for i in range(1, len(parents)):
+        s[i] = s[parents[i]] * confidence[i]
+    return s
+
+
+def gate_path(tree: DraftTree, scored: Scored, tau: float) -> list[int]:
+    """Gate mode: from the root, follow the most confident child while the path survival stays >= tau.
+    Returns the nodes (root excluded) the verifier alone accepts; empty when the first one falls short."""
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(tree)):
+        children.setdefault(tree.parents[i], []).append(i)
+    path, node = [], 0
+    while node in children:
+        best = max(children[node], key=lambda c: scored.survival[c])
+        if scored.survival[best] < tau:
+            break
+        path.append(best)
+        node = best
+    return path
