@@ -11,6 +11,8 @@ EXAMPLES = """examples:
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
+  python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
+  python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
 
@@ -45,6 +47,20 @@ def main(argv=None) -> int:
     gt.add_argument("--draft", default="ngram", help="the drafter (default: %(default)s)")
     gt.add_argument("--out", default="results/gate")
     gt.add_argument("--json", action="store_true")
+    rp = sub.add_parser("report", help="markdown tables + PNG plots from result folders (and the README block)",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rp.add_argument("--run", nargs="*", default=[], help="`bench run --out` folders (summary.json + JSONL)")
+    rp.add_argument("--serve", default=None, help="a `bench serve --out` folder")
+    rp.add_argument("--gate", default=None, help="a `bench gate --out` folder")
+    rp.add_argument("--out", default="docs/bench", help="where report.md and the PNGs go (default: %(default)s)")
+    rp.add_argument("--readme", default=None, help="rewrite this README's generated benchmark block")
+    co = sub.add_parser("costs", help="target and verifier forward cost by tree nodes (the scheduler's cost model)",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    co.add_argument("--engines", default="engines/default")
+    co.add_argument("--nodes", default="1,2,4,8,13,16,32,64", help="tree sizes (default: %(default)s)")
+    co.add_argument("--context", type=int, default=200, help="committed tokens before the tree")
+    co.add_argument("--repeats", type=int, default=15)
+    co.add_argument("--json", action="store_true")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
     add_common(w)
     w.add_argument("--arm", required=True)
@@ -73,6 +89,14 @@ def main(argv=None) -> int:
             from . import serve
 
             return serve.main(args)
+        if args.command == "costs":
+            from . import costs
+
+            return costs.main(args)
+        if args.command == "report":
+            from . import report
+
+            return report.main(args)
         if args.command == "gate":
             from . import gate
 

@@ -1,6 +1,6 @@
 """Benchmark arms: `plain`, `spork/DRAFT[/KxMxN][/fixed][/verifier]` (tree width x depth x budget; `fixed`: the
 scheduler's cost-aware pruning and depth changes off; `verifier`: the calibrated verifier scores every step,
-`noverifier`: never), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed/verifier`; `gate/DRAFT/TAU` (lossy gate
+`noverifier`: never; `acceptX`: the acceptance rate tau steers toward), e.g. `spork/self-int8/2x5x10`, `spork/ngram/fixed/verifier`; `gate/DRAFT/TAU` (lossy gate
 mode, e.g. `gate/ngram/0.5`); or a peer: `peer/hf-greedy`, `peer/hf-prompt-lookup` (transformers generate from the
 same checkpoint)."""
 from __future__ import annotations
@@ -38,10 +38,20 @@ def parse_arm(name: str) -> Arm:
             raise UserError(f"bad arm {name!r}: use gate/DRAFT/TAU with TAU in (0, 1], e.g. gate/ngram/0.5")
         return Arm(name, "gate", SpecConfig.for_draft(parts[1], gate_tau=tau))
     flags = {"fixed": False, "verifier": False, "noverifier": False}
-    while parts[-1] in flags:
-        flags[parts.pop()] = True
+    target_acceptance = None
+    while parts[-1] in flags or parts[-1].startswith("accept"):
+        last = parts.pop()
+        if last in flags:
+            flags[last] = True
+            continue
+        try:
+            target_acceptance = float(last[len("accept"):])
+        except ValueError:
+            raise UserError(f"bad arm {name!r}: write the verifier's target acceptance as acceptX, e.g. accept0.5"
+                            ) from None
     if parts[0] != "spork" or len(parts) not in (2, 3):
-        raise UserError(f"bad arm {name!r}: use plain, spork/DRAFT[/KxMxN][/fixed][/verifier] or gate/DRAFT/TAU, "
+        raise UserError(f"bad arm {name!r}: use plain, spork/DRAFT[/KxMxN][/fixed][/verifier][/acceptX] or "
+                        "gate/DRAFT/TAU, "
                         "e.g. spork/ngram/3x6x12")
     spec = SpecConfig.for_draft(parts[1])
     if len(parts) == 3:
@@ -51,4 +61,7 @@ def parse_arm(name: str) -> Arm:
             raise UserError(f"bad tree shape in arm {name!r}: write width x depth x budget, e.g. 2x5x10") from None
         spec = SpecConfig(draft=parts[1], tree_width=k, tree_depth=m, tree_budget=n)
     verifier = "on" if flags["verifier"] else "off" if flags["noverifier"] else spec.verifier
-    return Arm(name, "spork", replace(spec, adaptive=not flags["fixed"], verifier=verifier))
+    spec = replace(spec, adaptive=not flags["fixed"], verifier=verifier)
+    if target_acceptance is not None:
+        spec = replace(spec, target_acceptance=target_acceptance)
+    return Arm(name, "spork", spec)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from spork_trt.errors import UserError
 
-from .run import run_arms, summarize
+from .run import command, run_arms, summarize
 
 
 def sweep_points(summary: dict) -> dict[str, list[dict]]:
@@ -64,7 +64,8 @@ def main(a) -> int:
     points = sweep_points(summary)
     lossless = {x["prompts"]: x["speedup_vs_plain"] for x in summary["arms"] if x["name"] == f"spork/{a.draft}"}
     result = {"draft": a.draft, "lossless_speedup": lossless, "points": points,
-              "git_sha": summary["arms"][0]["git_sha"], "machine": summary["arms"][0]["machine"]}
+              "git_sha": summary["arms"][0]["git_sha"], "machine": summary["arms"][0]["machine"],
+              "command": command()}
     (out / "gate.json").write_text(json.dumps(result, indent=1))
     png = plot(points, lossless, out / "gate.png")
     if a.json:

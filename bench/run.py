@@ -86,6 +86,13 @@ def summarize(files: list[Path]) -> dict:
     return {"arms": arms}
 
 
+def command() -> str:
+    """The command line that produced a result file, as a user would type it."""
+    import shlex
+
+    return "python -m bench " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+
+
 def agreement(pairs: list[tuple[list[int], list[int]]]) -> dict:
     """Fidelity against plain (greedy): exact-match rate, token agreement (the share of plain's tokens produced
     before the first divergence), ROUGE-L F1 over token ids; means over prompts."""
@@ -140,7 +147,7 @@ def main(a) -> int:
     if "plain" not in a.arms:
         a.arms = ["plain"] + a.arms  # every speedup is measured against plain in the same run
     files = run_arms(a)
-    summary = summarize(files)
+    summary = {**summarize(files), "command": command()}
     (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
     (Path(a.out) / "summary.md").write_text(table(summary) + "\n")
     print(json.dumps(summary) if a.json else table(summary))

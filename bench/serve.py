@@ -21,6 +21,7 @@ from spork_trt.client import ClientConfig, query
 from spork_trt.errors import UserError
 
 from .prompts import git_sha, load_prompts
+from .run import command
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -141,6 +142,7 @@ def main(a) -> int:
                 "same_text": served["texts"][:len(prompts)] == local["texts"]}
     for r in summary["levels"]:
         r.pop("texts")
+    summary["command"] = command()
     (out / "serve_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "serve_summary.md").write_text(table(summary) + "\n")
     print(json.dumps(summary) if a.json else table(summary))

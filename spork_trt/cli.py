@@ -43,6 +43,9 @@ def build_parser() -> Parser:
     g.add_argument("--verifier", choices=["auto", "on", "off"], default=SpecConfig.verifier,
                    help="score drafts with the calibrated early-layer verifier: auto (while it pays for itself), "
                         "on, off (default: %(default)s; needs `python -m export calibrate` and --engines)")
+    g.add_argument("--target-acceptance", type=float, default=SpecConfig.target_acceptance,
+                   help="the acceptance rate of verified draft nodes the verifier's pruning threshold steers toward: "
+                        "higher prunes more (default: %(default)s)")
     g.add_argument("--draft", default=SpecConfig.draft,
                    help="ngram | hybrid (ngram, else self-int8) | self-int8 | self-int4 | early-exit:N | "
                         "model:PATH (default: %(default)s)")
@@ -94,8 +97,14 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
         raise UserError("--tau is gate mode's threshold: add --mode gate (lossy) or drop --tau")
     if a.tau is not None and not 0 < a.tau <= 1:
         raise UserError(f"--tau must be in (0, 1], got {a.tau}")
+    if a.mode == "gate":  # the library checks these too; here they fail before any model is loaded
+        from .runtime import check_verifier
+
+        check_verifier("gate", SpecConfig(gate_tau=a.tau or 0.0), generate_config(a), head=True)
+    if not 0 < a.target_acceptance < 1:
+        raise UserError(f"--target-acceptance must be in (0, 1), got {a.target_acceptance}")
     return SpecConfig.for_draft(a.draft, a.tree_width, a.tree_depth, a.tree_budget, adaptive=not a.fixed_shape,
-                                verifier=a.verifier, gate_tau=a.tau or 0.0)
+                                verifier=a.verifier, gate_tau=a.tau or 0.0, target_acceptance=a.target_acceptance)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

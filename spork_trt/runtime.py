@@ -145,14 +145,15 @@ class Runtime:
                         drafter, spec, stats, self.verifier() if scoring else None)
 
 
-def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | None) -> None:
-    """Gate mode and a forced verifier need a calibrated head; gate mode is greedy only."""
+def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:
+    """Gate mode and a forced verifier need a calibrated head (`head`: the head, or True when not known yet);
+    gate mode is greedy only."""
     if mode == "gate" and not spec.gate_tau > 0:
         raise UserError("--mode gate needs --tau in (0, 1]: the path confidence above which the verifier alone "
                         "accepts")
     if mode == "gate" and not cfg.sampling.greedy:
         raise UserError("--mode gate is greedy only (it is measured against greedy decoding): drop --temperature")
-    if (mode == "gate" or spec.verifier == "on") and head is None:
+    if (mode == "gate" or spec.verifier == "on") and not head:
         raise UserError("the verifier has no calibrated confidence head: run `python -m export calibrate` on the "
                         "engines and pass them with --engines")
 

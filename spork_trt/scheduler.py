@@ -12,8 +12,9 @@ plain steps. Each step:
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
-    (depth, rank) pruning alone keeps) must exceed its own measured time; otherwise it is switched off and
-    probed again every PROBE_EVERY speculative steps.
+    (depth, rank) pruning alone keeps) must exceed its own measured time. It starts off and is probed after
+    FIRST_PROBE speculative steps (once the verify costs are measured); it stays on while it pays; otherwise the
+    next probe comes PROBE_EVERY steps later, doubling after each probe that did not pay (up to PROBE_MAX).
 Pruning only removes nodes before verification, so the output stays token-for-token lossless.
 """
 from __future__ import annotations
@@ -28,9 +29,11 @@ DECAY = 0.97  # weight of history per observation (recent text matters most)
 PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
 EMA = 0.2
 COST_SLOPE = 0.05  # prior cost of a tree of T nodes: cost(1) * (1 + slope * (T - 1)), until measured
-TAU_BOUNDS = (0.01, 0.9)
+TAU_BOUNDS = (0.002, 0.9)
 TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured acceptance) per scored step
-PROBE_EVERY = 16  # speculative steps between probes of a verifier switched off
+FIRST_PROBE = 4  # speculative steps before "auto" first tries the verifier
+PROBE_EVERY = 16  # speculative steps between probes of a verifier switched off (doubles while it does not pay)
+PROBE_MAX = 256
 
 
 def bucket(n: int) -> int:
@@ -53,9 +56,10 @@ class Scheduler:
     cost: dict[int, float] = field(default_factory=dict)  # tree-size bucket -> verify seconds
     rate: dict[bool, float] = field(default_factory=dict)  # speculated? -> committed tokens per second
     tau: float = 0.0  # pruning threshold on the verifier's path survival
-    verifier_on: bool = True  # "auto" only: the verifier currently pays for itself
-    verifier_offs: int = 0  # times "auto" switched the verifier off
-    probe_in: int = 0  # speculative steps until a verifier switched off is tried again
+    verifier_on: bool = False  # "auto" only: the verifier currently pays for itself
+    verifier_offs: int = 0  # probes after which "auto" left (or switched) the verifier off
+    probe_in: int = FIRST_PROBE  # speculative steps until a verifier switched off is tried again
+    probe_every: int = PROBE_EVERY
     score_cost: float | None = None  # seconds per verifier call
     score_saving: float | None = None  # target verify seconds its pruning saves per call (cost model)
     baseline_n: int = 0  # nodes the (depth, rank) pruning alone would have verified this step
@@ -173,9 +177,9 @@ class Scheduler:
         if self.spec.verifier != "auto" or self.spec.gate_tau > 0:
             return
         pays = self.score_saving > self.score_cost
-        if self.verifier_on and not pays:
-            self.verifier_offs += 1
-        self.verifier_on, self.probe_in = pays, PROBE_EVERY
+        self.verifier_offs += not pays
+        self.probe_every = PROBE_EVERY if pays else min(PROBE_MAX, 2 * self.probe_every)
+        self.verifier_on, self.probe_in = pays, self.probe_every
 
 
 def features(tree: DraftTree) -> tuple[list[int], list[int]]:

@@ -16,9 +16,11 @@ import numpy as np
 from . import io_spec
 from .config import GenerateConfig, SamplingConfig, SpecConfig
 from .errors import UserError
-from .runtime import MODES, Runtime
+from .runtime import Runtime
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
+
+SERVED_MODES = ("spork", "plain")  # the lossy gate mode is a local, opt-in experiment: never served
 
 Inputs = Mapping[str, "np.ndarray | None"]
 
@@ -102,8 +104,8 @@ def parse_request(inputs: Inputs, context: int, can_stream: bool = True) -> Serv
         raise UserError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     seed = scalar(inputs, "seed", int, None)
     mode = scalar(inputs, "spec_mode", str, "spork")
-    if mode not in MODES:
-        raise UserError(f"unknown spec_mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode not in SERVED_MODES:
+        raise UserError(f"unknown spec_mode {mode!r}: use one of {', '.join(SERVED_MODES)}")
     stream = bool(scalar(inputs, "stream", bool, False))
     if stream and not can_stream:
         raise UserError("stream=true needs the streaming model `ensemble`; `ensemble_unary` answers once")

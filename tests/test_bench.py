@@ -45,3 +45,54 @@ def test_summary_counts_lossless_mismatches_for_spork_arms_only(tmp_path):
     assert s["mean_accepted_length"] == 2.0
     p = arms["peer/hf-greedy"]
     assert p["lossless_mismatches"] is None and p["differs_from_plain"] == 1 and p["speedup_vs_plain"] == 0.5
+
+
+def test_gate_and_verifier_arm_names():
+    g = parse_arm("gate/ngram/0.5")
+    assert (g.mode, g.spec.draft, g.spec.gate_tau) == ("gate", "ngram", 0.5)
+    v = parse_arm("spork/ngram/fixed/verifier")
+    assert v.spec.verifier == "on" and not v.spec.adaptive
+    assert parse_arm("spork/ngram/noverifier").spec.verifier == "off"
+    assert parse_arm("spork/ngram").spec.verifier == "auto"
+    for bad in ("gate/ngram", "gate/ngram/0", "gate/ngram/x", "spork/ngram/verifier/3x6x12x"):
+        with pytest.raises(UserError):
+            parse_arm(bad)
+
+
+def test_agreement_metrics():
+    from bench.run import agreement, rouge_l
+
+    assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0 and rouge_l([1, 2], [3, 4]) == 0.0
+    assert rouge_l([1, 9, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.75)  # LCS 3 of 4 and 4
+    a = agreement([([1, 2, 3, 4], [1, 2, 3, 4]), ([1, 2, 9, 9], [1, 2, 3, 4])])
+    assert a == {"exact_match_rate": 0.5, "token_agreement": 0.75, "rouge_l": 0.75}
+
+
+def test_gate_arms_are_lossy_and_report_renders(tmp_path):
+    from bench.gate import sweep_points
+    from bench.report import BEGIN, END, build, splice
+
+    rows = [record("plain", 1, 4, 1.0, [1, 2, 3, 4]), record("gate/ngram/0.5", 1, 4, 0.5, [1, 2, 9, 9], gated_tokens=2),
+            record("spork/ngram", 1, 4, 0.8, [1, 2, 3, 4], steps=2, draft_tokens=4, accepted_tokens=2,
+                   accepted_length_histogram={"0": 1, "2": 1})]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "mt_bench.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = summarize([run_dir / "mt_bench.jsonl"])
+    arms = {a["name"]: a for a in summary["arms"]}
+    assert arms["gate/ngram/0.5"]["lossless_mismatches"] is None and arms["gate/ngram/0.5"]["differs_from_plain"] == 1
+    pts = sweep_points(summary)["mt_bench"]
+    assert pts == [{"tau": 0.5, "tokens_per_second": 8.0, "speedup_vs_plain": 2.0, "exact_match_rate": 0.0,
+                    "token_agreement": 0.5, "rouge_l": 0.5, "gated_fraction": 0.5}]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    text = build([run_dir], None, None, tmp_path / "out")
+    assert "| mt_bench | onnx | spork/ngram | 5.00 | 1.25x |" in text and "CPU cores" in text
+    assert (tmp_path / "out" / "speedup_per_category_0.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "accepted_length_0.png").stat().st_size > 1000
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
+    splice(readme, "new figures")
+    assert readme.read_text() == f"intro\n{BEGIN}\nnew figures\n{END}\noutro\n"
+    readme.write_text("no markers")
+    with pytest.raises(UserError, match="generated block"):
+        splice(readme, "x")

@@ -26,6 +26,12 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--tree-width", "0"], "--tree-width must be in 1..64"),
     (["generate", "hi", "--draft", "bogus"], "unknown --draft 'bogus'"),
     (["generate", "hi", "--draft", "early-exit:99"], "needs N in 1..29"),
+    (["generate", "hi", "--tau", "0.5"], "add --mode gate"),
+    (["generate", "hi", "--mode", "gate", "--tau", "1.5"], "--tau must be in (0, 1]"),
+    (["generate", "hi", "--mode", "gate"], "needs --tau"),
+    (["generate", "hi", "--mode", "gate", "--tau", "0.5", "--temperature", "0.7"], "greedy only"),
+    (["generate", "hi", "--mode", "gate", "--tau", "0.5"], "export calibrate"),  # the torch engine has no head
+    (["generate", "hi", "--target-acceptance", "1.2"], "--target-acceptance must be in (0, 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = run(*args)

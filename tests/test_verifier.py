@@ -15,7 +15,7 @@ from spork_trt.errors import UserError
 from spork_trt.export.calibrate import auroc, ece
 from spork_trt.generate import generate
 from spork_trt.quant import int8_copy
-from spork_trt.scheduler import PROBE_EVERY, Scheduler
+from spork_trt.scheduler import FIRST_PROBE, PROBE_EVERY, Scheduler
 from spork_trt.tree import DraftTree, compile_tree
 from spork_trt.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, gate_path, survival
 from spork_trt.weights import random_checkpoint
@@ -148,13 +148,17 @@ def test_scheduler_tau_follows_the_acceptance_target_and_auto_turns_an_unpaying_
     sched = Scheduler(SpecConfig(verifier="auto", tau=0.1, target_acceptance=0.7))
     sched.cost = {0: 0.010, 3: 0.0101}  # verify cost flat in tree size: pruning saves nothing
     tree = DraftTree(tuple(range(8)), (-1, 0, 1, 2, 0, 4, 5, 6))
-    assert sched.use_verifier(True)
+    assert [sched.use_verifier(True) for _ in range(FIRST_PROBE)] == [False] * (FIRST_PROBE - 1) + [True]
     keep = sched.prune(tree, True, np.array([1, .9, .8, .05, .3, .2, .1, .01]))
     assert 0 in keep and 7 not in keep and all(tree.parents[i] in keep for i in keep if i)
     sched.scored(score_s=0.004, acceptance=0.2, n=len(keep))
     assert sched.tau > 0.1  # acceptance below target: prune harder
     assert not sched.verifier_on and sched.verifier_offs == 1  # 4 ms spent to save ~0
-    assert [sched.use_verifier(True) for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
+    assert [sched.use_verifier(True) for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
+    sched.cost = {0: 0.01, 1: 0.02, 2: 0.1, 3: 0.2}  # verify cost now steep in tree size: pruning pays
+    sched.baseline_n = 8  # what pruning by (depth, rank) alone would have verified; the verifier kept 2
+    sched.scored(score_s=0.001, acceptance=0.6, n=2)
+    assert sched.verifier_on and sched.probe_every == PROBE_EVERY and sched.use_verifier(True)
     assert not sched.use_verifier(False)  # no calibrated head: never
     forced = Scheduler(SpecConfig(verifier="on"))
     forced.scored(score_s=1.0, acceptance=0.0, n=2)

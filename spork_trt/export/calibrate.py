@@ -31,7 +31,7 @@ class CalibrateConfig:
     engines: Path = Path("engines/default")
     prompts: str = "mt_bench"  # fitted on
     heldout: str | None = None  # reported on (default: the other built-in set)
-    limit: int = 24  # prompts per set
+    limit: int = 40  # prompts per set (about 2 minutes each here)
     max_new_tokens: int = 128
     draft: str = "ngram"
     plot: Path | None = None  # default: ENGINES/calibration/reliability.png
@@ -163,7 +163,7 @@ def reliability_plot(head: ConfidenceHead, nodes: NodeSet, title: str, path: Pat
         pts = [(p[sel][idx == b].mean(), nodes.y[sel][idx == b].mean(), (idx == b).sum())
                for b in range(BINS) if (idx == b).sum() >= 5]
         if pts:
-            xs, ys, ns = zip(*pts)
+            xs, ys, _ = zip(*pts)
             ax.plot(xs, ys, "o-", label=f"depth {d} (n={int(sel.sum())})", ms=4)
     ax.set(xlabel="predicted P(accepted | parent accepted)", ylabel="accepted fraction", xlim=(0, 1), ylim=(0, 1),
            title=title)
