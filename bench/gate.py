@@ -24,13 +24,19 @@ def sweep_points(summary: dict) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda p: p["tau"]) for k, v in out.items()}
 
 
+def table(points: dict[str, list[dict]]) -> str:
+    lines = ["| prompts | tau | speedup vs plain | token agreement | exact match | ROUGE-L | gated tokens |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for prompts, pts in points.items():
+        lines += [f"| {prompts} | {p['tau']:g} | {p['speedup_vs_plain']:.2f}x | {p['token_agreement']:.2f} | "
+                  f"{p['exact_match_rate']:.2f} | {p['rouge_l']:.2f} | {p['gated_fraction']:.0%} |" for p in pts]
+    return "\n".join(lines)
+
+
 def plot(points: dict[str, list[dict]], lossless: dict[str, float], path: Path) -> Path:
-    import matplotlib
+    from .report import finish, plt
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt().subplots(1, 2, figsize=(10, 4))
     for prompts, pts in points.items():
         taus = [p["tau"] for p in pts]
         line = ax1.plot(taus, [p["speedup_vs_plain"] for p in pts], "o-", label=f"gate, {prompts}")[0]
@@ -43,12 +49,7 @@ def plot(points: dict[str, list[dict]], lossless: dict[str, float], path: Path) 
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.set(xlabel="tau (path confidence the verifier alone accepts)", ylabel="speedup vs plain (tokens/s)")
     ax2.set(xlabel="tau", ylabel="agreement with plain greedy", ylim=(0, 1.05))
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return finish(fig, [ax1, ax2], path, 7)
 
 
 def main(a) -> int:
@@ -71,11 +72,6 @@ def main(a) -> int:
     if a.json:
         print(json.dumps(result))
         return 0
-    print("| prompts | tau | speedup vs plain | token agreement | exact match | ROUGE-L | gated tokens |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for prompts, pts in points.items():
-        for p in pts:
-            print(f"| {prompts} | {p['tau']:g} | {p['speedup_vs_plain']:.2f}x | {p['token_agreement']:.2f} | "
-                  f"{p['exact_match_rate']:.2f} | {p['rouge_l']:.2f} | {p['gated_fraction']:.0%} |")
+    print(table(points))
     print(f"lossless spork/{a.draft}: " + ", ".join(f"{k} {v:.2f}x" for k, v in lossless.items()) + f"; plot {png}")
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from spork_trt.errors import UserError
 
+from .gate import table as gate_table
 from .run import table as run_table
 from .serve import table as serve_table
 
@@ -32,6 +33,16 @@ def plt():
     return pyplot
 
 
+def finish(fig, axes, path: Path, fontsize: int = 8) -> Path:
+    """Legends, layout, write the PNG, free the figure."""
+    for ax in axes:
+        ax.legend(fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt().close(fig)
+    return path
+
+
 def hardware() -> str:
     import onnxruntime
     import torch
@@ -42,8 +53,8 @@ def hardware() -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{os.cpu_count()} CPU cores ({cpu}), no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"onnxruntime {onnxruntime.__version__}")
+    return (f"{os.cpu_count()} CPU cores ({cpu}), no GPU; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
 
 
 def records(run_dir: Path) -> dict[tuple[str, str], list[dict]]:
@@ -75,11 +86,7 @@ def category_plot(summary: dict, path: Path) -> Path:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, fontsize=8)
         ax.set(title=prompts, ylabel="speedup vs plain (tokens/s)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    p.close(fig)
-    return path
+    return finish(fig, axes[0], path, 7)
 
 
 def histogram_plot(recs: dict, path: Path) -> Path:
@@ -96,11 +103,7 @@ def histogram_plot(recs: dict, path: Path) -> Path:
         xs = sorted(hist)
         ax.bar([x + k * width for x in xs], [hist[x] / total for x in xs], width, label=f"{key[1]} ({key[0]})")
     ax.set(xlabel="draft tokens accepted in a step", ylabel="share of steps")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    p.close(fig)
-    return path
+    return finish(fig, [ax], path, 7)
 
 
 def latency_plot(serve: dict, path: Path) -> Path:
@@ -114,12 +117,7 @@ def latency_plot(serve: dict, path: Path) -> Path:
         ax2.plot(cs, [r["output_tokens_per_second"] for r in rows], "o-", color=line.get_color(), label=mode)
     ax1.set(xscale="log", xlabel="concurrent clients", ylabel="end-to-end latency (s)")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s (all clients)")
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    p.close(fig)
-    return path
+    return finish(fig, [ax1, ax2], path)
 
 
 def conditions(arms: list[dict]) -> str:
@@ -148,18 +146,14 @@ def build(runs: list[Path], serve: Path | None, gate: Path | None, out: Path) ->
         s = json.loads((serve / "serve_summary.json").read_text())
         lat = latency_plot(s, out / "latency_vs_concurrency.png")
         parts += [f"**Through Triton** ({s['prompts']}, {s['n_prompts']} prompts, {s['max_new_tokens']} new tokens, "
-                  f"git sha {s['git_sha']}; `{s.get('command', 'python -m bench serve')}`):", "", serve_table(s), "", f"![latency vs concurrency]({rel(lat)})", ""]
+                  f"git sha {s['git_sha']}; `{s.get('command', 'python -m bench serve')}`):", "", serve_table(s), "",
+                  f"![latency vs concurrency]({rel(lat)})", ""]
     if gate is not None:
         g = json.loads((gate / "gate.json").read_text())
         png = out / "gate.png"
         shutil.copyfile(gate / "gate.png", png)
         parts += [f"**Gate mode (lossy)**, drafter {g['draft']}, git sha {g['git_sha']}; "
-                  f"`{g.get('command', 'python -m bench gate')}`:", "",
-                  "| prompts | tau | speedup vs plain | token agreement | exact match | ROUGE-L | gated tokens |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for prompts, pts in g["points"].items():
-            parts += [f"| {prompts} | {p['tau']:g} | {p['speedup_vs_plain']:.2f}x | {p['token_agreement']:.2f} | "
-                      f"{p['exact_match_rate']:.2f} | {p['rouge_l']:.2f} | {p['gated_fraction']:.0%} |" for p in pts]
+                  f"`{g.get('command', 'python -m bench gate')}`:", "", gate_table(g["points"])]
         parts += ["", "Lossless spork in the same run: " + ", ".join(
             f"{k} {v:.2f}x" for k, v in g["lossless_speedup"].items()) + ".", "", f"![gate mode]({rel(png)})", ""]
     text = "\n".join(parts)

@@ -1,4 +1,5 @@
-"""Prompt sets (benchmarks and calibration) from ../shared/data (MT-bench first turns, HumanEval prompts) or any FastChat-style JSONL."""
+"""Prompt sets for benchmarks and calibration: ../shared/data (MT-bench first turns, HumanEval prompts) or any
+FastChat-style JSONL."""
 from __future__ import annotations
 
 import gzip

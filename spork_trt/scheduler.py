@@ -82,10 +82,12 @@ class Scheduler:
     def use_verifier(self, available: bool) -> bool:
         """Whether to score this speculative step with the verifier."""
         mode = self.spec.verifier
-        if not available or mode == "off":
+        if not available:
             return False
-        if mode == "on" or self.spec.gate_tau > 0 or self.verifier_on:
+        if mode == "on" or self.spec.gate_tau > 0:  # gate mode needs the scores whatever --verifier says
             return True
+        if mode == "off" or self.verifier_on:
+            return mode != "off"
         self.probe_in -= 1
         return self.probe_in <= 0
 

@@ -7,9 +7,10 @@ are already there; the rows it writes for the tree are dropped right after (the 
 Per draft node i (parent p) the head sees features of the verifier's distribution at p (the log probability of
 i's token, of the verifier's own top token, the entropy, whether i's token is the top one, its rank), the
 drafter's own score of i, the verifier's log probability of p's token, how many draft tokens this request's recent
-steps had accepted, and the tree (depth, sibling rank); it returns confidence = P(node accepted | parent accepted), a logistic regression
-fitted by `python -m export calibrate` on real verdicts of the target. Path survival = product of confidences
-along the path (root 1.0); it never grows with depth, so pruning at a threshold keeps every kept node's parent.
+steps had accepted, and the tree (depth, sibling rank); it returns confidence = P(node accepted | parent
+accepted), a logistic regression fitted by `python -m export calibrate` on real verdicts of the target. Path
+survival = product of confidences along the path (root 1.0); it never grows with depth, so pruning at a threshold
+keeps every kept node's parent.
 
 The head is stored as JSON (weights, feature standardization, fit metadata): no pickle is ever loaded.
 """
