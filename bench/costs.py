@@ -41,9 +41,7 @@ def main(a) -> int:
             target.cache.commit([])  # drop the rows: every repeat runs on the same context
 
         def run_verifier():
-            verifier.engine.cache = target.cache
-            verifier.engine.forward(ids, buf.position_ids, buf.mask)
-            target.cache.commit([])
+            verifier.forward(target, ids, buf.position_ids, buf.mask)
 
         rows.append({"nodes": n, "target_ms": median_ms(run_target, a.repeats),
                      "verifier_ms": median_ms(run_verifier, a.repeats)})

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
@@ -44,7 +44,7 @@ class Runtime:
     engine: object  # the target engine
     build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
     backend: str = "torch"
-    verifier_layers: int = 8  # the early-layer verifier (and early-exit draft) of this build
+    verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
     head: ConfidenceHead | None = None  # the verifier's calibrated confidence head, when `export calibrate` ran
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once

@@ -101,16 +101,23 @@ class Verifier:
     engine: object  # the target's first N layers + norm + LM head; runs on the target's cache (see module doc)
     head: ConfidenceHead | None
 
+    def forward(self, target, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+                ) -> torch.Tensor:
+        """The verifier's logits [1, T, V] over new tokens after the target's committed rows, run on the target's
+        cache; the rows it writes are dropped (the target writes its own)."""
+        assert target.pending == 0, "run the verifier before the target's forward of this step"
+        self.engine.cache = target.cache
+        logits = self.engine.forward(input_ids, position_ids, mask)
+        target.cache.commit([])
+        return logits
+
     def score(self, target, behind: list[int], tree: DraftTree, recent: float = 0.0) -> Scored:
         """Features (and, with a head, confidences) of every node of `tree`, which follows the target's committed
         rows and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
         tokens accepted per step lately (the scheduler's moving average)."""
         full = tree.after(behind)
         buf = compile_tree(full.parents, target.length)
-        assert target.pending == 0, "score before the target's forward of this step"
-        self.engine.cache = target.cache
-        logits = self.engine.forward(torch.tensor([full.tokens]), buf.position_ids, buf.mask)[0]  # [B+N, V]
-        target.cache.commit([])  # drop the rows the verifier wrote: the target writes its own
+        logits = self.forward(target, torch.tensor([full.tokens]), buf.position_ids, buf.mask)[0]  # [B+N, V]
         b = len(behind)
         depth = tuple(d - b for d in buf.depth[b:])
         x = node_features(tree, logits[b:], depth, recent)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import VERIFIER_LAYERS
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from . import manifest as mf
@@ -27,7 +28,7 @@ class BuildConfig:
     out: Path = Path("engines/default")
     precision: str = "fp32"  # the target's precision
     drafts: tuple[str, ...] = ("self-int8", "self-int4")
-    verifier_layers: int = 8
+    verifier_layers: int = VERIFIER_LAYERS
     backend: str = "onnx"
     force: bool = False
 

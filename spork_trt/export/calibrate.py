@@ -184,7 +184,7 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
     if heldout == cfg.prompts:
         raise UserError("--heldout must differ from --prompts: metrics on the fitting prompts say little")
     rt = Runtime.from_engines(cfg.engines, load_head=False)  # an old head may be stale: it is being replaced
-    verifier = rt.verifier(head=None)
+    verifier = rt.verifier()  # headless: the runtime was loaded without one
     log(f"{rt.verifier_layers}-layer verifier, {cfg.draft} drafter, {cfg.limit} prompts x "
         f"{cfg.max_new_tokens} tokens per set")
     fit_nodes = collect(rt, cfg.prompts, cfg, verifier)
