@@ -66,3 +66,41 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     assert s.speculate()
     s.record(miss, Verdict((0, 1), (10,), 7), True, 0.05, 0.01)  # 2 tokens in 60 ms: slower than plain
     assert not s.speculate() and s.fallbacks == 2
+
+
+def test_speculation_that_keeps_measuring_slower_backs_off():
+    s = sched(cooldown=2)
+    root, miss = DraftTree.root_only(5), TREE.subtree([0, 1])
+    s.record(root, Verdict((0,), (), 7), False, 0.0, 0.01)  # plain: 100 tokens/s
+    cooldowns = []
+    for _ in range(4):  # each probe: 2 tokens in 110 ms against plain's 100 tokens/s
+        s.record(miss, Verdict((0, 1), (10,), 7), True, 0.1, 0.01)
+        cooldowns.append(s.cooling)
+        while not s.speculate():
+            s.record(root, Verdict((0,), (), 7), False, 0.0, 0.01)
+    assert cooldowns == [2, 4, 8, 16] and s.fallbacks == 4
+    s.rate[True] = 1000.0  # a probe faster than plain resets the back-off
+    s.record(miss, Verdict((0, 1), (10,), 7), True, 0.0, 0.001)
+    assert s.speculate() and s.slow_probes == 0
+
+
+def test_the_first_step_is_plain_so_slow_speculation_is_caught_at_once():
+    s = sched()
+    hit = TREE.subtree([0, 1])
+    assert not s.speculate()  # one plain step first, to measure plain
+    s.record(DraftTree.root_only(5), Verdict((0,), (), 7), False, 0.0, 0.01)
+    assert s.speculate()
+    s.record(hit, Verdict((0, 1), (10,), 7), True, 0.5, 0.01)  # accepted, but 2 tokens in 510 ms
+    assert not s.speculate() and s.fallbacks == 1
+    assert Scheduler(SpecConfig(adaptive=False)).speculate()  # the fixed shape speculates from the first step
+
+
+def test_a_cheap_drafter_that_misses_keeps_the_short_cooldown():
+    s = sched(cooldown=2)
+    root, miss = DraftTree.root_only(5), TREE.subtree([0, 1])
+    s.record(root, Verdict((0,), (), 7), False, 0.0, 0.01)  # plain: 100 tokens/s
+    for _ in range(3):  # nothing accepted, 15 ms: slower than plain, but a hit would have been faster
+        s.record(miss, Verdict((0,), (), 7), True, 0.0, 0.015)
+        assert s.cooling == 2 and s.slow_probes == 0
+        while not s.speculate():
+            s.record(root, Verdict((0,), (), 7), False, 0.0, 0.01)
