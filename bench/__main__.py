@@ -12,6 +12,7 @@ EXAMPLES = """examples:
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
   python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
+  python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
@@ -61,6 +62,12 @@ def main(argv=None) -> int:
     co.add_argument("--context", type=int, default=200, help="committed tokens before the tree")
     co.add_argument("--repeats", type=int, default=15)
     co.add_argument("--json", action="store_true")
+    ag = sub.add_parser("agreement", help="top-1 agreement with the fp32 target of each quantized engine of a build",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(ag)
+    ag.set_defaults(engines="engines/default", limit=10, prompts="mt_bench,humaneval")
+    ag.add_argument("--out", default="results/agreement")
+    ag.add_argument("--json", action="store_true")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
     add_common(w)
     w.add_argument("--arm", required=True)
@@ -97,6 +104,10 @@ def main(argv=None) -> int:
             from . import report
 
             return report.main(args)
+        if args.command == "agreement":
+            from . import agreement
+
+            return agreement.main(args)
         if args.command == "gate":
             from . import gate
 

@@ -13,6 +13,8 @@ EXAMPLES = """examples:
   python -m export build                                  # the embedded default -> engines/default
   python -m export build --model path/to/model.gguf --out engines/mymodel --verifier-layers 8
   python -m export build --precision int8 --draft self-int4 --force
+  python -m export build --draft self-int8 --draft self-int8-static --draft self-fp8   # quantized copies
+  python -m export build --backend tensorrt --precision fp8 --out engines/trt   # GPU host with TensorRT
   python -m export inspect engines/default
   python -m export triton                                 # engines/default/triton_repo (cpu profile)
   python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
@@ -22,7 +24,9 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
+    from spork_trt.config import SELF_DRAFTS
     from spork_trt.export.build import PRECISIONS, BuildConfig
+    from spork_trt.export.tensorrt import PRECISIONS as TRT_PRECISIONS
 
     p = argparse.ArgumentParser(prog="python -m export", epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,10 +35,12 @@ def parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
     b.add_argument("--out", default=str(BuildConfig.out), help="output folder (default: %(default)s)")
-    b.add_argument("--precision", default=BuildConfig.precision, choices=PRECISIONS + ("fp16", "bf16", "fp8"),
-                   help="the target engine's precision (default: %(default)s)")
+    b.add_argument("--precision", default=BuildConfig.precision, choices=sorted(set(PRECISIONS + TRT_PRECISIONS)),
+                   help="the target engine's precision: onnx " + ", ".join(PRECISIONS) + "; tensorrt "
+                   + ", ".join(TRT_PRECISIONS) + " (default: %(default)s)")
     b.add_argument("--draft", action="append", default=None, metavar="KIND",
-                   help="quantized self-drafts to build: self-int8, self-int4 (repeatable; default: both)")
+                   help=f"quantized self-drafts to build: {', '.join(SELF_DRAFTS)} (repeatable; default: "
+                   f"{' and '.join(BuildConfig.drafts)})")
     b.add_argument("--verifier-layers", type=int, default=BuildConfig.verifier_layers,
                    help="layers of the early-layer verifier / early-exit draft (default: %(default)s)")
     b.add_argument("--backend", choices=["onnx", "tensorrt"], default="onnx")
@@ -106,7 +112,7 @@ def inspect(a) -> int:
     print(f"backend: {m['backend']}; drafters: {', '.join(m['drafters'])}")
     for role, e in m["engines"].items():
         size = m["artifacts"].get(e["path"] + ".data", m["artifacts"].get(e["path"], {})).get("bytes", 0)
-        print(f"  {role:10} {e['path']:20} {e['precision']:5} {e['layers']:3} layers  {size / 1e6:8.1f} MB")
+        print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB")
     print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
     if a.verify:
         print(f"all {len(m['artifacts'])} artifacts match their sha256")
@@ -124,9 +130,6 @@ def main(argv=None) -> int:
             return calibrate(a)
         from spork_trt.export.build import BuildConfig, build
 
-        if a.precision in ("fp16", "bf16", "fp8"):
-            raise UserError(f"--precision {a.precision} targets TensorRT/GPU engines, which this build cannot make "
-                            "here: use fp32, int8 or int4 for ONNX Runtime CPU")
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
         build(BuildConfig(model=a.model, out=Path(a.out), precision=a.precision, drafts=drafts,
                           verifier_layers=a.verifier_layers, backend=a.backend, force=a.force))

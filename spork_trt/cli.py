@@ -48,7 +48,8 @@ def build_parser() -> Parser:
                         "higher prunes more (default: %(default)s)")
     g.add_argument("--draft", default=SpecConfig.draft,
                    help="ngram | hybrid (ngram, else self-int8) | self-int8 | self-int4 | early-exit:N | "
-                        "model:PATH (default: %(default)s)")
+                        "model:PATH; with --engines also the built self-int8-dynamic | self-int8-static | self-fp8 "
+                        "(default: %(default)s)")
     g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
     g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")
     g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per step (default: per drafter)")

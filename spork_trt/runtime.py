@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
@@ -20,13 +20,14 @@ from .verifier import HEAD_FILE, ConfidenceHead, Verifier
 from .weights import load_checkpoint
 
 MODES = ("plain", "spork", "gate")
-DRAFT_HELP = "ngram | hybrid | self-int8 | self-int4 | early-exit:N | model:PATH"
+DRAFT_HELP = f"ngram | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
+TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantized copies (quant.py)
 
 
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in ("ngram", "hybrid", "self-int8", "self-int4") and not arg:
+    if kind in ("ngram", "hybrid", *SELF_DRAFTS) and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -65,6 +66,10 @@ class Runtime:
                 return TorchEngine(int4_copy(ck.model))
             if kind == "early-exit":
                 return TorchEngine(ck.model, exit_layer=int(arg))
+            if kind in SELF_DRAFTS:
+                raise UserError(f"--draft {kind} runs on ONNX Runtime engines: build them with `python -m export "
+                                f"build --draft {kind}` and pass --engines (the torch engine has "
+                                f"{', '.join(TORCH_SELF_DRAFTS)})")
             draft = load_checkpoint(arg)
             check_same_tokenizer(tok, load_tokenizer(draft.path, draft.kind, draft.cfg.eos_token_ids),
                                  ck.cfg.vocab_size, draft.cfg.vocab_size, arg)
@@ -75,9 +80,10 @@ class Runtime:
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
                      load_head: bool = True) -> Runtime:
-        """ONNX Runtime engines built by `python -m export build`, on the given execution providers; with the
-        verifier's confidence head when `export calibrate` wrote one (and `load_head`)."""
-        from .engines.onnx_engine import OnnxEngine
+        """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
+        where the build made them); with the verifier's confidence head when `export calibrate` wrote one (and
+        `load_head`)."""
+        from .engines import load_engine
         from .export import manifest as mf
 
         d = Path(engines)
@@ -88,14 +94,14 @@ class Runtime:
 
         def draft_engine(kind: str, arg: str):
             if kind in built:
-                return OnnxEngine(d / built[kind]["path"], cfg, providers=providers)
+                return load_engine(d, built[kind], cfg, providers)
             if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
-                return OnnxEngine(d / built["verifier"]["path"], cfg, n_layers=int(arg), providers=providers)
+                return load_engine(d, built["verifier"], cfg, providers)
             have = [k for k in built if k.startswith("self-")] + [f"early-exit:{built['verifier']['layers']}"]
             raise UserError(f"{d} has no engine for --draft {kind}{':' + arg if arg else ''}: built drafts are "
                             f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
-        target = OnnxEngine(d / built["target"]["path"], cfg, providers=providers)
+        target = load_engine(d, built["target"], cfg, providers)
         layers = built["verifier"]["layers"]
         head = ConfidenceHead.load(d / HEAD_FILE) if load_head and (d / HEAD_FILE).is_file() else None
         if head is not None and head.verifier_layers != layers:

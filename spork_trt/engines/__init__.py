@@ -52,6 +52,19 @@ class CachedEngine(ABC):
         self.cache.truncate(length)
 
 
+def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> CachedEngine:
+    """The engine for one manifest entry ({"path", "precision", "layers", ...}) of build folder `d`: a TensorRT plan
+    (.plan) or an ONNX graph on ONNX Runtime with `providers`."""
+    path = d / entry["path"]
+    if path.suffix == ".plan":
+        from .trt_engine import TrtEngine
+
+        return TrtEngine(path, cfg, n_layers=entry["layers"])
+    from .onnx_engine import OnnxEngine
+
+    return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers)
+
+
 def forward_chain(engine, ids: list[int]) -> torch.Tensor:
     """Run tokens as one causal chain after every row the engine holds; returns logits [T, V] (rows stay pending)."""
     base, n = engine.length + engine.pending, len(ids)

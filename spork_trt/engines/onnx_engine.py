@@ -16,7 +16,7 @@ from ..kv_cache import Rows
 from . import CachedEngine
 
 
-def session_options(optimized_cache: Path | None = None, threads: int | None = None):
+def session_options(threads: int | None = None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -26,9 +26,17 @@ def session_options(optimized_cache: Path | None = None, threads: int | None = N
     # target and draft sessions take turns on the same cores: a pool that spin-waits after its run would steal
     # the cores the other session needs next
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if optimized_cache is not None:
-        so.optimized_model_filepath = str(optimized_cache)
     return so
+
+
+def provider_options(providers: tuple[str, ...], model: Path) -> list[dict[str, str]]:
+    """Per provider options: ONNX Runtime's TensorRT provider caches the engines and tactic timings it builds beside
+    the model (minutes per build, seconds to reload); CPU and CUDA need none (on CPU the session, graph
+    optimizations included, is created in about 1 s for the default target: no optimized-model cache is kept)."""
+    cache = str(model.resolve().parent / "ort_trt_cache")
+    trt = {"trt_engine_cache_enable": "True", "trt_engine_cache_path": cache, "trt_timing_cache_enable": "True",
+           "trt_timing_cache_path": cache}
+    return [trt if p == "TensorrtExecutionProvider" else {} for p in providers]
 
 
 class OnnxEngine(CachedEngine):
@@ -44,7 +52,8 @@ class OnnxEngine(CachedEngine):
                 raise UserError(f"ONNX Runtime here lacks {', '.join(sorted(missing))} (available: "
                                 f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu on a GPU host "
                                 "or use the cpu profile")
-        self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers))
+        self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers),
+                                                       provider_options=provider_options(providers, path))
         self.names = io_spec.kv_names(self.n_layers)
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers

@@ -1,32 +1,36 @@
-"""`python -m export build`: checkpoint -> engines/<name>/ (ONNX graphs, quantized drafts, tokenizer, manifest).
+"""`python -m export build`: checkpoint -> engines/<name>/ (ONNX graphs, quantized drafts, tokenizer, manifest;
+TensorRT plans of the target and verifier with --backend tensorrt).
 
 Idempotent: an artifact whose recorded inputs (source checkpoint hash, build options, tool versions) and own hash
 match the existing manifest is reused; --force rebuilds everything.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config import VERIFIER_LAYERS
+from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from . import manifest as mf
+from . import tensorrt as trt_build
 from .onnx_graph import OPSET, export_onnx
-from .quantize import quantize_nbits
+from .quantize import quantize
 
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", *QUANTS)  # ONNX Runtime targets
+TRT_GRAPHS = {"int8": "int8-static", "fp8": "fp8"}  # TensorRT precision -> the Q/DQ graph it builds from
 
 
 @dataclass(frozen=True)
 class BuildConfig:
     model: str | None = None  # None: the embedded default
     out: Path = Path("engines/default")
-    precision: str = "fp32"  # the target's precision
+    precision: str = "fp32"  # the target's precision (onnx: PRECISIONS; tensorrt: tensorrt.PRECISIONS)
     drafts: tuple[str, ...] = ("self-int8", "self-int4")
     verifier_layers: int = VERIFIER_LAYERS
     backend: str = "onnx"
@@ -37,14 +41,23 @@ def stage(msg: str) -> None:
     print(f"[build] {msg}", file=sys.stderr, flush=True)
 
 
-def build(cfg: BuildConfig) -> Path:
-    if cfg.backend == "tensorrt":
-        from .tensorrt import require_tensorrt
+def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
+    """Refuse what this host or backend cannot build, before any work; the TensorRT plan settings."""
+    for d in cfg.drafts:
+        if d not in SELF_DRAFTS:
+            raise UserError(f"--draft {d}: buildable drafts are {', '.join(SELF_DRAFTS)} (ngram needs no engine)")
+    if cfg.backend == "onnx":
+        if cfg.precision not in PRECISIONS:
+            raise UserError(f"--precision {cfg.precision} is not buildable for ONNX Runtime: use "
+                            f"{', '.join(PRECISIONS)} (fp16/bf16 with --backend tensorrt)")
+        return None
+    trt_cfg = trt_build.TrtBuildConfig(precision=cfg.precision)  # refuses precisions TensorRT has no path for
+    trt_build.require_tensorrt()
+    return trt_cfg
 
-        require_tensorrt()
-    if cfg.precision not in PRECISIONS:
-        raise UserError(f"--precision {cfg.precision} is not buildable for ONNX Runtime CPU: "
-                        f"use {', '.join(PRECISIONS)}")
+
+def build(cfg: BuildConfig) -> Path:
+    trt_cfg = check(cfg)
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     source = Path(cfg.model) if cfg.model else default_gguf_path()
@@ -52,7 +65,8 @@ def build(cfg: BuildConfig) -> Path:
     stage(f"hashing source checkpoint {source}")
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
-              "drafts": list(cfg.drafts), "opset": OPSET, "tools": mf.tool_versions()}
+              "drafts": list(cfg.drafts), "opset": OPSET, "tools": mf.tool_versions(), "backend": cfg.backend,
+              "tensorrt": asdict(trt_cfg) if trt_cfg else None}
     old = json.loads((out / mf.MANIFEST).read_text()) if (out / mf.MANIFEST).is_file() else None
     if old and not cfg.force and old.get("build_inputs") == inputs and all(
             (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
@@ -64,43 +78,79 @@ def build(cfg: BuildConfig) -> Path:
     n_layers = ck.cfg.n_layers
     if not 1 <= cfg.verifier_layers < n_layers:
         raise UserError(f"--verifier-layers must be in 1..{n_layers - 1}, got {cfg.verifier_layers}")
+    from ..tokenizer import load_tokenizer
+    from .calib_data import calibration_feeds
+
+    tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+    feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers))  # static quantization's inputs
+    onnx_target = cfg.backend == "onnx" and cfg.precision != "fp32"
     engines: dict[str, dict] = {}
     stage("exporting target.onnx (fp32)")
-    fp32 = export_onnx(ck.model, out / ("target.onnx" if cfg.precision == "fp32" else "target_fp32.onnx"))
-    if cfg.precision != "fp32":
+    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"))
+    if onnx_target:
         stage(f"quantizing target to {cfg.precision}")
-        quantize_nbits(fp32, out / "target.onnx", bits=8 if cfg.precision == "int8" else 4)
-    engines["target"] = {"path": "target.onnx", "precision": cfg.precision, "layers": n_layers}
+        quantize(cfg.precision, fp32, out / "target.onnx", feeds)
+    engines["target"] = {"path": "target.onnx", "precision": cfg.precision if cfg.backend == "onnx" else "fp32",
+                         "layers": n_layers}
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
     export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers)
     engines["verifier"] = {"path": "verifier.onnx", "precision": "fp32", "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
-        bits = {"self-int8": 8, "self-int4": 4}.get(draft)
-        if bits is None:
-            raise UserError(f"--draft {draft}: buildable drafts are self-int8 and self-int4 (ngram needs no engine)")
-        stage(f"quantizing {draft} draft (MatMulNBits, {bits} bits, blocks of 32)")
-        name = f"draft_int{bits}.onnx"
-        quantize_nbits(fp32, out / name, bits=bits)
-        engines[draft] = {"path": name, "precision": f"int{bits}", "layers": n_layers}
+        q = draft.removeprefix("self-")
+        stage(f"quantizing the {draft} draft ({q})")
+        name = "draft_" + q.replace("-", "_") + ".onnx"
+        quantize(q, fp32, out / name, feeds)
+        engines[draft] = {"path": name, "precision": q, "layers": n_layers}
+    if trt_cfg is not None:
+        engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, feeds)
     stage("writing tokenizer files")
-    from ..tokenizer import load_tokenizer
-
-    tok_files = [p.name for p in load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids).save(out)]
+    tok_files = [p.name for p in tok.save(out)]
     stage("hashing artifacts")
     artifacts = {}
     for p in sorted(out.iterdir()):
-        if p.is_file() and p.name != mf.MANIFEST and not p.name.endswith(".tmp.onnx"):
+        if p.is_file() and p.name != mf.MANIFEST and not p.name.endswith((".tmp.onnx", ".tmp.plan")):
             artifacts[p.name] = {"sha256": mf.sha256(p), "bytes": p.stat().st_size}
     mf.write(out, {
         "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
         "drafters": ["ngram", *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
-        "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"],
+        "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | trt_tools(trt_cfg),
     })
     render_triton(out)
     stage(f"done in {time.perf_counter() - t0:.0f}s: {out}")
     return out
+
+
+def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_cfg, verifier_layers: int,
+                feeds) -> dict[str, dict]:
+    """TensorRT plans of the target (int8/fp8 from their Q/DQ graphs) and the verifier (fp32 I/O: it runs on the
+    target's KV cache). Drafts stay ONNX graphs on ONNX Runtime (MatMulNBits is not a TensorRT op)."""
+    graph = fp32
+    if trt_cfg.precision in TRT_GRAPHS:
+        q = TRT_GRAPHS[trt_cfg.precision]
+        stage(f"quantizing the target to {q} Q/DQ for TensorRT")
+        graph = quantize(q, fp32, out / f"target_{q.replace('-', '_')}.onnx", feeds)
+    stage(f"building target.plan with TensorRT ({trt_cfg.precision}; minutes)")
+    trt_build.build_plan(graph, out / "target.plan", trt_cfg, model_cfg, model_cfg.n_layers)
+    stage("building verifier.plan with TensorRT (fp32)")
+    v_cfg = trt_build.TrtBuildConfig(precision="fp32")
+    trt_build.build_plan(out / "verifier.onnx", out / "verifier.plan", v_cfg, model_cfg, verifier_layers)
+    ctx = model_cfg.max_seq_len
+    return {"target": {"path": "target.plan", "onnx": graph.name, "layers": model_cfg.n_layers,
+                       **trt_cfg.record(ctx)},
+            "verifier": {"path": "verifier.plan", "onnx": "verifier.onnx", "layers": verifier_layers,
+                         **v_cfg.record(ctx)}}
+
+
+def trt_tools(trt_cfg) -> dict:
+    """A plan runs only on the TensorRT version and GPU it was built with: both go in the manifest."""
+    if trt_cfg is None:
+        return {}
+    import tensorrt
+    import torch
+
+    return {"tensorrt": tensorrt.__version__, "gpu": torch.cuda.get_device_name()}
 
 
 def render_triton(out: Path) -> None:

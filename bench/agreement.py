@@ -1,0 +1,91 @@
+"""`python -m bench agreement`: how closely each quantized copy of the target (the `self-*` engines of a build)
+follows the fp32 target: per-token top-1 agreement, teacher-forced on the fp32 target's own greedy outputs for the
+same prompts (the question a draft answers: "would the target pick this token next?"), and what one decode step
+of each costs. Acceptance and speedup as drafts come from `python -m bench run --arms plain spork/self-...`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from spork_trt.config import GenerateConfig
+from spork_trt.engines import forward_chain, prefill
+from spork_trt.errors import UserError
+from spork_trt.export import manifest as mf
+from spork_trt.runtime import Runtime
+
+from .costs import median_ms
+from .prompts import load_prompts
+
+
+def reference(rt: Runtime, sets: list[str], limit: int | None, max_new: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the fp32 target's greedy output) per prompt."""
+    from tqdm import tqdm
+
+    rows = [r for s in sets for r in load_prompts(s, limit)]
+    out = []
+    for r in tqdm(rows, desc="fp32 greedy references", file=sys.stderr, leave=False):
+        ids = rt.tokenizer.encode_prompt(r["prompt"])
+        out.append((ids, rt.generate(ids, GenerateConfig(max_new_tokens=max_new)).token_ids))
+    return out
+
+
+def agreement(engine, seqs: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
+    """(tokens whose argmax equals the reference's next token, tokens): one forward over prompt + output each."""
+    same = total = 0
+    for ids, out in seqs:
+        engine.reset(len(ids) + len(out))
+        logits = forward_chain(engine, ids + out[:-1])  # [P + N - 1, V]
+        pred = logits[len(ids) - 1:].argmax(-1).tolist()  # the prediction for each output token
+        same += sum(int(p == t) for p, t in zip(pred, out))
+        total += len(out)
+    return same, total
+
+
+def decode_ms(engine, context: int, repeats: int = 15) -> float:
+    """Median milliseconds of one 1-token forward after `context` committed tokens."""
+    engine.reset(context + 1)
+    prefill(engine, [100 + i % 1000 for i in range(context)])
+
+    def step():
+        forward_chain(engine, [500])
+        engine.cache.commit([])
+
+    return median_ms(step, repeats)
+
+
+def main(a) -> int:
+    d = Path(a.engines)
+    m = mf.read(d)
+    if m["engines"]["target"]["precision"] != "fp32":
+        raise UserError(f"{d} has a {m['engines']['target']['precision']} target: agreement is measured against "
+                        "an fp32 target (build one with --precision fp32)")
+    quants = [k for k in m["engines"] if k.startswith("self-")]
+    if not quants:
+        raise UserError(f"{d} has no quantized engines: build some with `python -m export build --draft ...`")
+    rt = Runtime.from_engines(d, load_head=False)
+    seqs = reference(rt, a.prompts.split(","), a.limit, a.max_new_tokens)
+    rows = []
+    for name in ["target", *quants]:
+        entry = m["engines"][name]
+        engine = rt.engine if name == "target" else rt.draft_engine(name)
+        print(f"[agreement] {name}", file=sys.stderr, flush=True)
+        same, total = agreement(engine, seqs)
+        size = m["artifacts"].get(entry["path"] + ".data", {}).get("bytes", 0)
+        rows.append({"engine": name, "precision": entry["precision"], "top1_agreement": round(same / total, 4),
+                     "tokens": total, "decode_ms": decode_ms(engine, 200), "weights_mb": round(size / 1e6, 1)})
+    out = {"engines": str(d), "prompts": a.prompts, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
+           "rows": rows}
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "agreement.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out) if a.json else table(rows))
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| engine | precision | top-1 agreement with fp32 | tokens | decode step ms | weights MB |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['engine']} | {r['precision']} | {r['top1_agreement']:.3f} | {r['tokens']} | {r['decode_ms']:.1f} "
+              f"| {r['weights_mb']:.0f} |" for r in rows]
+    return "\n".join(lines)
