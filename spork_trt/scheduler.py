@@ -8,10 +8,7 @@ plain steps. Each step:
     while expected committed tokens per second of verify time grows; keeping none is a plain step;
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
-    plain ones, decode plainly for `cooldown` steps, then probe again. When even full acceptance would have been
-    slower than plain (the drafter costs more than the target saves), each such probe in a row doubles the
-    cool-down (up to COOLDOWN_MAX): a drafter that cannot pay here costs a few probes per request, not one in
-    every few steps. The first step is plain: it times the rate to compare with.
+    plain ones, decode plainly for `cooldown` steps, then probe again.
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -37,7 +34,6 @@ TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured accepta
 FIRST_PROBE = 4  # speculative steps before "auto" first tries the verifier
 PROBE_EVERY = 16  # speculative steps between probes of a verifier switched off (doubles while it does not pay)
 PROBE_MAX = 256
-COOLDOWN_MAX = 256  # plain steps between probes of speculation that keeps measuring slower than plain
 
 
 def bucket(n: int) -> int:
@@ -55,7 +51,6 @@ class Scheduler:
     failures: int = 0  # consecutive speculative steps with nothing accepted
     cooling: int = 0  # plain steps left before probing again
     fallbacks: int = 0  # times speculation was switched off
-    slow_probes: int = 0  # fallbacks in a row whose step would have been slower than plain even fully accepted
     pruned: int = 0  # draft nodes dropped before verification
     odds: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, rank) -> [accepted, seen]
     cost: dict[int, float] = field(default_factory=dict)  # tree-size bucket -> verify seconds
@@ -72,7 +67,6 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.depth, self.tau = self.spec.tree_depth, self.spec.tau
-        self.cooling = int(self.adaptive)  # the first step is plain: "slower than plain" needs a measured plain
 
     @property
     def adaptive(self) -> bool:
@@ -170,13 +164,9 @@ class Scheduler:
         self.failures = 0 if accepted else self.failures + 1
         if self.adaptive:
             self.depth = min(self.spec.tree_depth, self.depth * 2) if accepted else max(1, self.depth // 2)
-        plain = self.rate.get(False, 0.0)
-        slower = self.adaptive and plain > self.rate[True] and n > 1
-        best = (max(depth) + 1) / max(propose_s + verify_s, 1e-9)  # this step had every drafted token been right
-        self.slow_probes = self.slow_probes + 1 if slower and best < plain else 0
+        slower = self.adaptive and self.rate.get(False, 0.0) > self.rate[True] and n > 1
         if self.failures >= self.spec.fail_limit or slower:
-            cooldown = self.spec.cooldown * 2 ** max(0, self.slow_probes - 1)
-            self.failures, self.cooling = 0, min(COOLDOWN_MAX, cooldown)
+            self.failures, self.cooling = 0, self.spec.cooldown
             self.fallbacks += 1
 
     def scored(self, score_s: float, acceptance: float, n: int) -> None:
