@@ -5,8 +5,11 @@ of each costs. Acceptance and speedup as drafts come from `python -m bench run -
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from pathlib import Path
+
+import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines import forward_chain, prefill
@@ -15,7 +18,7 @@ from spork_trt.export import manifest as mf
 from spork_trt.runtime import Runtime
 
 from .costs import median_ms
-from .prompts import load_prompts
+from .prompts import git_sha, load_prompts
 
 
 def reference(rt: Runtime, sets: list[str], limit: int | None, max_new: int) -> list[tuple[list[int], list[int]]]:
@@ -55,6 +58,8 @@ def decode_ms(engine, context: int, repeats: int = 15) -> float:
 
 
 def main(a) -> int:
+    if a.temperature or a.model or a.seed is not None:
+        raise UserError("bench agreement is greedy on a build's engines: drop --temperature, --seed and --model")
     d = Path(a.engines)
     m = mf.read(d)
     if m["engines"]["target"]["precision"] != "fp32":
@@ -71,11 +76,12 @@ def main(a) -> int:
         engine = rt.engine if name == "target" else rt.draft_engine(name)
         print(f"[agreement] {name}", file=sys.stderr, flush=True)
         same, total = agreement(engine, seqs)
-        size = m["artifacts"].get(entry["path"] + ".data", {}).get("bytes", 0)
+        size = mf.weights(m, entry).get("bytes", 0)
         rows.append({"engine": name, "precision": entry["precision"], "top1_agreement": round(same / total, 4),
                      "tokens": total, "decode_ms": decode_ms(engine, 200), "weights_mb": round(size / 1e6, 1)})
     out = {"engines": str(d), "prompts": a.prompts, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
-           "rows": rows}
+           "git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
+           "threads": torch.get_num_threads(), "rows": rows}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "agreement.json").write_text(json.dumps(out, indent=1))

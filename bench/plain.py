@@ -85,12 +85,12 @@ def main(args) -> int:
     bound = bw * 1e9 / wbytes
     arms = [run_engine("spork_trt torch plain", TorchEngine(ck.model), prompts, args.max_new_tokens)]
     if args.engines:
-        from spork_trt.engines.onnx_engine import OnnxEngine
+        from spork_trt.engines import load_engine
         from spork_trt.export import manifest as mf
 
         m = mf.read(Path(args.engines))
-        target = OnnxEngine(Path(args.engines) / m["engines"]["target"]["path"], ck.cfg)
-        arms.append(run_engine(f"spork_trt onnxruntime {m['engines']['target']['precision']} plain", target,
+        target = load_engine(Path(args.engines), m["engines"]["target"], ck.cfg)
+        arms.append(run_engine(f"spork_trt {m['backend']} {m['engines']['target']['precision']} plain", target,
                                prompts, args.max_new_tokens))
     if not args.skip_transformers:
         arms.append(run_transformers(ck, tok.hf.eos_token_id, prompts, args.max_new_tokens))

@@ -111,7 +111,7 @@ def inspect(a) -> int:
     print(f"source: {m['source']['path']} ({m['source']['kind']}, sha256 {m['source']['sha256'][:12]})")
     print(f"backend: {m['backend']}; drafters: {', '.join(m['drafters'])}")
     for role, e in m["engines"].items():
-        size = m["artifacts"].get(e["path"] + ".data", m["artifacts"].get(e["path"], {})).get("bytes", 0)
+        size = mf.weights(m, e).get("bytes", 0)
         print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB")
     print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
     if a.verify:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, generate
@@ -20,7 +20,6 @@ from .verifier import HEAD_FILE, ConfidenceHead, Verifier
 from .weights import load_checkpoint
 
 MODES = ("plain", "spork", "gate")
-DRAFT_HELP = f"ngram | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
 TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantized copies (quant.py)
 
 
@@ -107,7 +106,7 @@ class Runtime:
         if head is not None and head.verifier_layers != layers:
             raise UserError(f"{d / HEAD_FILE} was calibrated for a {head.verifier_layers}-layer verifier, this build "
                             f"has {layers}: rerun `python -m export calibrate --engines {d}`")
-        return cls(cfg, tok, target, draft_engine, "onnx", layers, head)
+        return cls(cfg, tok, target, draft_engine, m["backend"], layers, head)
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""

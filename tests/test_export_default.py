@@ -52,7 +52,7 @@ def test_generate_uses_built_engines(default_engines):
 
 @pytest.mark.parametrize("args,needle", [
     (["export", "build", "--verifier-layers", "30", "--out", "/tmp/spork-never"], "--verifier-layers must be in"),
-    (["export", "build", "--backend", "tensorrt"], "tensorrt"),
+    (["export", "build", "--backend", "tensorrt"], "`tensorrt` Python package"),
     (["export", "build", "--precision", "fp16"], "fp16/bf16 with --backend tensorrt"),
     (["export", "build", "--draft", "self-int3"], "buildable drafts are self-int8, self-int4"),
     (["export", "build", "--backend", "tensorrt", "--precision", "int4"], "not buildable for TensorRT"),

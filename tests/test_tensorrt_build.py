@@ -3,6 +3,7 @@ step, and the runtime check that stops a host without tensorrt or a GPU. Buildin
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import onnx
@@ -55,8 +56,8 @@ def test_profile_keeps_fixed_dims():
 
 
 def test_record_is_json_ready():
-    rec = TrtBuildConfig(precision="int8", spare_positions=0).record(2048)
-    assert rec["precision"] == "int8" and rec["strongly_typed"] is True
+    rec = json.loads(json.dumps(TrtBuildConfig(precision="int8-static", spare_positions=0).record(2048)))
+    assert rec["precision"] == "int8-static" and rec["strongly_typed"] is True
     assert rec["profile"][io_spec.TOTAL] == [1, 512, 2048]
 
 
@@ -96,3 +97,11 @@ def test_require_tensorrt_names_the_missing_package(tmp_path):
     with pytest.raises(UserError, match="tensorrt"):
         build_plan(tmp_path / "none.onnx", tmp_path / "none.plan", TrtBuildConfig(), cfg, cfg.n_layers)
     assert not (tmp_path / "none.plan").exists()
+
+
+@pytest.mark.skipif(not NO_TENSORRT, reason="tensorrt is installed here")
+def test_a_manifest_plan_entry_loads_through_tensorrt(tmp_path):
+    from spork_trt.engines import load_engine
+
+    with pytest.raises(UserError, match="`tensorrt` Python package"):
+        load_engine(tmp_path, {"path": "target.plan", "precision": "fp32", "layers": 2}, SHAPES["tiny"])

@@ -35,14 +35,15 @@ def plans(tmp_path_factory):
 
 
 def steps(engine) -> list[torch.Tensor]:
-    """prefill 7 (odd: the unaligned-row path for these tiny rows), a 2-node tree, keep node 0, roll back one."""
+    """prefill 7 (odd: the unaligned-row path for these tiny rows), a 2-node tree, keep node 1 (the KV gather),
+    roll back one."""
     ids = [3, 9, 27, 17, 51, 25, 11]
     engine.reset(32)
     out = [engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7))[0]]
     engine.commit()
     tree = torch.tensor([[[True] * 7 + [True, False], [True] * 7 + [False, True]]])
     out.append(engine.forward(torch.tensor([[5, 40]]), torch.tensor([[7, 7]]), tree)[0])
-    engine.commit([0])
+    engine.commit([1])
     out.append(engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0])
     engine.commit()
     engine.truncate(8)

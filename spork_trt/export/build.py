@@ -11,7 +11,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
@@ -23,7 +23,7 @@ from .onnx_graph import OPSET, export_onnx
 from .quantize import quantize
 
 PRECISIONS = ("fp32", *QUANTS)  # ONNX Runtime targets
-TRT_GRAPHS = {"int8": "int8-static", "fp8": "fp8"}  # TensorRT precision -> the Q/DQ graph it builds from
+CALIBRATED = {"int8-static", "fp8"}  # quantized from activation ranges measured on calibration prompts
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,13 @@ def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
     return trt_cfg
 
 
+def calibration_signature() -> str:
+    """sha256 of what static quantization calibrates on (the prompts, how many, the window): a change rebuilds."""
+    from .calib_data import CALIB_PER_SET, CALIB_WINDOW, calibration_prompts
+
+    return hashlib.sha256(json.dumps([CALIB_PER_SET, CALIB_WINDOW, calibration_prompts()]).encode()).hexdigest()
+
+
 def build(cfg: BuildConfig) -> Path:
     trt_cfg = check(cfg)
     out = cfg.out
@@ -66,7 +73,9 @@ def build(cfg: BuildConfig) -> Path:
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
               "drafts": list(cfg.drafts), "opset": OPSET, "tools": mf.tool_versions(), "backend": cfg.backend,
-              "tensorrt": asdict(trt_cfg) if trt_cfg else None}
+              "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
+              "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
+              else None}
     old = json.loads((out / mf.MANIFEST).read_text()) if (out / mf.MANIFEST).is_file() else None
     if old and not cfg.force and old.get("build_inputs") == inputs and all(
             (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
@@ -115,7 +124,7 @@ def build(cfg: BuildConfig) -> Path:
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
         "drafters": ["ngram", *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
-        "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | trt_tools(trt_cfg),
+        "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
     })
     render_triton(out)
     stage(f"done in {time.perf_counter() - t0:.0f}s: {out}")
@@ -124,17 +133,18 @@ def build(cfg: BuildConfig) -> Path:
 
 def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_cfg, verifier_layers: int,
                 feeds) -> dict[str, dict]:
-    """TensorRT plans of the target (int8/fp8 from their Q/DQ graphs) and the verifier (fp32 I/O: it runs on the
-    target's KV cache). Drafts stay ONNX graphs on ONNX Runtime (MatMulNBits is not a TensorRT op)."""
+    """TensorRT plans of the target (int8-static/fp8 from their Q/DQ graphs, target_int8_static.onnx /
+    target_fp8.onnx) and the verifier (fp32, same profile: it runs on the target's KV cache). Drafts stay ONNX
+    graphs on ONNX Runtime (MatMulNBits is not a TensorRT op)."""
     graph = fp32
-    if trt_cfg.precision in TRT_GRAPHS:
-        q = TRT_GRAPHS[trt_cfg.precision]
+    q = trt_cfg.precision
+    if q in trt_build.QDQ_PRECISIONS:
         stage(f"quantizing the target to {q} Q/DQ for TensorRT")
         graph = quantize(q, fp32, out / f"target_{q.replace('-', '_')}.onnx", feeds)
     stage(f"building target.plan with TensorRT ({trt_cfg.precision}; minutes)")
     trt_build.build_plan(graph, out / "target.plan", trt_cfg, model_cfg, model_cfg.n_layers)
     stage("building verifier.plan with TensorRT (fp32)")
-    v_cfg = trt_build.TrtBuildConfig(precision="fp32")
+    v_cfg = replace(trt_cfg, precision="fp32", strongly_typed=False)
     trt_build.build_plan(out / "verifier.onnx", out / "verifier.plan", v_cfg, model_cfg, verifier_layers)
     ctx = model_cfg.max_seq_len
     return {"target": {"path": "target.plan", "onnx": graph.name, "layers": model_cfg.n_layers,
@@ -143,10 +153,8 @@ def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_
                          **v_cfg.record(ctx)}}
 
 
-def trt_tools(trt_cfg) -> dict:
-    """A plan runs only on the TensorRT version and GPU it was built with: both go in the manifest."""
-    if trt_cfg is None:
-        return {}
+def trt_tools() -> dict:
+    """A plan runs only on the TensorRT version and GPU it was built with: both are build inputs."""
     import tensorrt
     import torch
 

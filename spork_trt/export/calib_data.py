@@ -1,7 +1,7 @@
 """Calibration feeds for static (QDQ) quantization: real prompts from ../shared/data as prefill inputs of an engine
 graph (io_spec names, empty past KV). The LAST prompts of each set are used, so the benches' first `--limit`
-prompts stay held out of calibration. Their tokens are cut into windows of one length (ONNX Runtime's histogram
-calibrator stacks samples, so they must share a shape)."""
+prompts stay held out of calibration. Their tokens are cut into windows of one length (long HumanEval prompts split,
+short MT-bench ones joined), so every feed has the same shape."""
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -105,8 +105,7 @@ def engines_sha(engines: Path) -> str:
     from . import manifest as mf
 
     m = mf.read(engines)
-    return "".join(m["artifacts"].get(m["engines"][r]["path"] + ".data", {}).get("sha256", "")
-                   for r in ("target", "verifier"))
+    return "".join(mf.weights(m, m["engines"][r]).get("sha256", "") for r in ("target", "verifier"))
 
 
 def ece(p: np.ndarray, y: np.ndarray, bins: int = BINS) -> float:

@@ -44,10 +44,12 @@ def quantize_fp8(src: Path, out: Path, feeds: list[dict], nodes: list[str]) -> P
     g.initializer.append(zero)
     new_nodes: dict[str, list] = {}  # MatMul name -> the Q/DQ nodes to put before it
     done: dict[str, str] = {}  # activation -> its dequantized name (q, k and v share one input)
-    for n in (n for n in g.node if n.name in set(nodes)):
+    wanted = set(nodes)
+    for n in (n for n in g.node if n.name in wanted):
         x, w = n.input[0], n.input[1]
         if x not in done:
-            scale = scalar(f"{x}_fp8_scale", max(amax.get(x, 0.0), 1e-6) / E4M3_MAX)
+            assert x in amax, f"no calibrated range for {x}"
+            scale = scalar(f"{x}_fp8_scale", max(amax[x], 1e-6) / E4M3_MAX)
             g.initializer.append(scale)
             new_nodes[n.name] = [
                 helper.make_node("QuantizeLinear", [x, scale.name, zero.name], [f"{x}_fp8"], f"{x}_fp8_q"),

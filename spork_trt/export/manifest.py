@@ -72,3 +72,9 @@ def verify_artifacts(engines: Path, manifest: dict) -> None:
         p = engines / name
         if not p.is_file() or sha256(p) != entry["sha256"]:
             raise UserError(f"{p} is missing or does not match its manifest hash: rebuild with --force")
+
+
+def weights(m: dict, entry: dict) -> dict:
+    """The artifact record ({"sha256", "bytes"}) holding an engine's weights: its external data file when the graph
+    has one (ONNX), else the file itself (a TensorRT plan)."""
+    return m["artifacts"].get(entry["path"] + ".data", m["artifacts"].get(entry["path"], {}))

@@ -15,18 +15,33 @@ MatMuls stay fp32, and the INT8 activation modes keep the MLP down projections f
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-QUANTS = ("int8", "int4", "int8-dynamic", "int8-static", "fp8")
-CALIBRATED = ("int8-static", "fp8")  # need calibration feeds
+from ..config import QUANTS
 
 
 def quantize(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | None = None) -> Path:
     """src (fp32 .onnx with external data) -> out (+ out.data); `feeds` builds the calibration inputs."""
     assert kind in QUANTS, kind
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)  # quantize_static's "consider pre-processing" notice
+    with quiet():
+        return run_quantizer(kind, src, out, feeds)
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """onnxruntime.quantization logs notices (e.g. "consider pre-processing") on the root logger: mute them here."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def run_quantizer(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | None) -> Path:
     data = out.with_name(out.name + ".data")
     if data.exists():
         data.unlink()

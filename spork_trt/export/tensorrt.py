@@ -9,8 +9,8 @@ TensorRT 10 -> 11, as handled here (NVIDIA's 10.x-to-11.x migration guide and th
 - networks are explicit batch since 10.0: EXPLICIT_BATCH is ignored in 10 and removed in 11, so it is never passed;
 - STRONGLY_TYPED is opt-in in 10; in 11 every network is strongly typed and the flag is kept but ignored;
 - the weak-typing BuilderFlags FP16/BF16/INT8/FP8 are deprecated in 10.12 and removed in 11: fp16/bf16 from an fp32
-  graph needs TensorRT 10 (on 11 the graph must carry its own types), and int8/fp8 are always built from a graph with
-  Q/DQ nodes as a strongly typed network (explicit quantization: no calibrator, no flags).
+  graph needs TensorRT 10 (on 11 the graph must carry its own types), and int8-static/fp8 are always built from a
+  graph with Q/DQ nodes as a strongly typed network (explicit quantization: no calibrator, no flags).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
-QDQ_PRECISIONS = ("int8", "fp8")  # built from graphs that carry their own QuantizeLinear/DequantizeLinear nodes
+PRECISIONS = ("fp32", "fp16", "bf16", "int8-static", "fp8")
+QDQ_PRECISIONS = ("int8-static", "fp8")  # built from the Q/DQ graphs export/quantize.py makes (the same names)
 WEAK_FLAGS = {"fp16": "FP16", "bf16": "BF16"}  # BuilderFlag names; TensorRT 10 only
 MIN_MAJOR = 10  # name-based tensor API, INT64 I/O, no implicit batch
 REBUILD = "python -m export build --backend tensorrt --force"
