@@ -27,7 +27,7 @@ def activation_amax(src: Path, feeds: list[dict]) -> dict[str, float]:
                                 providers=["CPUExecutionProvider"], extra_options={"symmetric": True})
         cal.collect_data(FeedReader(feeds))
         ranges = cal.compute_data()
-    return {name: float(max(abs(d.range_value[0]), abs(d.range_value[1]))) for name, d in ranges.items()}
+    return {name: float(np.abs(np.asarray(d.range_value, np.float64)).max()) for name, d in ranges.items()}
 
 
 def quantize_fp8(src: Path, out: Path, feeds: list[dict], nodes: list[str]) -> Path:
