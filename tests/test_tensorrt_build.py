@@ -89,7 +89,7 @@ def test_qdq_nodes_are_counted(tmp_path):
     assert qdq_nodes(qdq_graph(tmp_path / "plain.onnx", quantized=False)) == 0
 
 
-@pytest.mark.skipif(not NO_TENSORRT, reason="tensorrt is installed here")
+@pytest.mark.skipif(not NO_TENSORRT, reason="checks what a host without tensorrt is told; tensorrt is installed here")
 def test_require_tensorrt_names_the_missing_package(tmp_path):
     with pytest.raises(UserError, match="`tensorrt` Python package"):
         require_tensorrt()
@@ -99,7 +99,7 @@ def test_require_tensorrt_names_the_missing_package(tmp_path):
     assert not (tmp_path / "none.plan").exists()
 
 
-@pytest.mark.skipif(not NO_TENSORRT, reason="tensorrt is installed here")
+@pytest.mark.skipif(not NO_TENSORRT, reason="checks what a host without tensorrt is told; tensorrt is installed here")
 def test_a_manifest_plan_entry_loads_through_tensorrt(tmp_path):
     from spork_trt.engines import load_engine
 

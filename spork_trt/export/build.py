@@ -96,9 +96,16 @@ def build(cfg: BuildConfig) -> Path:
     engines: dict[str, dict] = {}
     stage("exporting target.onnx (fp32)")
     fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"))
+    made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
+
+    def quantized(q: str, path: Path) -> Path:
+        if q not in made:
+            stage(f"quantizing to {q}: {path.name}")
+            made[q] = quantize(q, fp32, path, feeds)
+        return made[q]
+
     if onnx_target:
-        stage(f"quantizing target to {cfg.precision}")
-        quantize(cfg.precision, fp32, out / "target.onnx", feeds)
+        quantized(cfg.precision, out / "target.onnx")
     engines["target"] = {"path": "target.onnx", "precision": cfg.precision if cfg.backend == "onnx" else "fp32",
                          "layers": n_layers}
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
@@ -106,12 +113,10 @@ def build(cfg: BuildConfig) -> Path:
     engines["verifier"] = {"path": "verifier.onnx", "precision": "fp32", "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
         q = draft.removeprefix("self-")
-        stage(f"quantizing the {draft} draft ({q})")
-        name = "draft_" + q.replace("-", "_") + ".onnx"
-        quantize(q, fp32, out / name, feeds)
+        name = quantized(q, out / ("draft_" + q.replace("-", "_") + ".onnx")).name
         engines[draft] = {"path": name, "precision": q, "layers": n_layers}
     if trt_cfg is not None:
-        engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, feeds)
+        engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
     stage("writing tokenizer files")
     tok_files = [p.name for p in tok.save(out)]
     stage("hashing artifacts")
@@ -132,15 +137,15 @@ def build(cfg: BuildConfig) -> Path:
 
 
 def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_cfg, verifier_layers: int,
-                feeds) -> dict[str, dict]:
+                quantized) -> dict[str, dict]:
     """TensorRT plans of the target (int8-static/fp8 from their Q/DQ graphs, target_int8_static.onnx /
-    target_fp8.onnx) and the verifier (fp32, same profile: it runs on the target's KV cache). Drafts stay ONNX
-    graphs on ONNX Runtime (MatMulNBits is not a TensorRT op)."""
+    target_fp8.onnx unless a draft made them; `quantized(q, path)` makes or reuses one) and the verifier (fp32,
+    same profile: it runs on the target's KV cache). Drafts stay ONNX graphs on ONNX Runtime (MatMulNBits is not a
+    TensorRT op)."""
     graph = fp32
     q = trt_cfg.precision
-    if q in trt_build.QDQ_PRECISIONS:
-        stage(f"quantizing the target to {q} Q/DQ for TensorRT")
-        graph = quantize(q, fp32, out / f"target_{q.replace('-', '_')}.onnx", feeds)
+    if q in trt_build.QDQ_PRECISIONS:  # the Q/DQ graph a self-draft of the same kind already made, or a new one
+        graph = quantized(q, out / f"target_{q.replace('-', '_')}.onnx")
     stage(f"building target.plan with TensorRT ({trt_cfg.precision}; minutes)")
     trt_build.build_plan(graph, out / "target.plan", trt_cfg, model_cfg, model_cfg.n_layers)
     stage("building verifier.plan with TensorRT (fp32)")

@@ -70,9 +70,9 @@ def quantize_fp8(src: Path, out: Path, feeds: list[dict], nodes: list[str]) -> P
         ordered += new_nodes.get(n.name, []) + [n]
     del g.node[:]
     g.node.extend(ordered)
-    onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out.name + ".data", size_threshold=1024)
-    return out
+    from .quantize import save_external
+
+    return save_external(model, out)
 
 
 def scalar(name: str, value: float):

@@ -31,14 +31,17 @@ def quantize(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | 
 
 @contextmanager
 def quiet() -> Iterator[None]:
-    """onnxruntime.quantization logs notices (e.g. "consider pre-processing") on the root logger: mute them here."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
+    """onnxruntime.quantization logs notices on the root logger ("consider pre-processing") and per node on the
+    MatMulNBits quantizer's own INFO logger: mute both while quantizing."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        root.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def run_quantizer(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | None) -> Path:
@@ -68,7 +71,14 @@ def quantize_nbits(src: Path, out: Path, bits: int, block: int = 32, accuracy_le
     cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=accuracy_level, bits=bits)
     q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg)
     q.process()
-    onnx.save_model(q.model.model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
+    return save_external(q.model.model, out)
+
+
+def save_external(model, out: Path) -> Path:
+    """Save an ONNX model with its weights in one external file, out + ".data" (the layout every engine uses)."""
+    import onnx
+
+    onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=out.name + ".data", size_threshold=1024)
     return out
 
