@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m bench plain
+
+# the optional peers of `python -m bench run`: llama.cpp (compiled here, for this CPU: several minutes on 2 cores)
+# and onnxruntime-genai (--no-deps: it runs on the pinned onnxruntime)
+bench-peers: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --quiet --disable-pip-version-check llama-cpp-python==0.3.36
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps onnxruntime-genai==0.18.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,6 +7,8 @@ EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
+  make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
+      peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
     add_common(r)
     r.add_argument("--arms", nargs="+", default=DEFAULT_ARMS,
                    help="plain | spork/DRAFT[/KxMxN][/fixed][/verifier|/noverifier] | gate/DRAFT/TAU | "
-                        "peer/hf-greedy | peer/hf-prompt-lookup")
+                        "peer/hf-greedy | peer/hf-prompt-lookup | peer/llama-cpp | peer/llama-cpp-prompt-lookup | "
+                        "peer/ort-genai (llama.cpp and onnxruntime-genai: `make bench-peers` installs them)")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",

@@ -1,14 +1,58 @@
-"""Peers timed like our arms: transformers `generate` from the same checkpoint, greedy and with prompt lookup
-decoding (`prompt_lookup_num_tokens`), on the same prompt token ids, with the same stop rule (EOS or max tokens)."""
+"""Peers timed like our arms: greedy, on the same prompt token ids, with the same stop rule (EOS or max tokens).
+
+- `hf-greedy`, `hf-prompt-lookup`: transformers `generate` from the same checkpoint (`prompt_lookup_num_tokens=10`);
+- `llama-cpp`, `llama-cpp-prompt-lookup`: llama.cpp through llama-cpp-python on the same GGUF file, in its own
+  precision (the default's Q4_1), all cores; the second with its prompt lookup drafter (10 tokens);
+- `ort-genai`: onnxruntime-genai on an fp32 CPU model its builder makes from the same checkpoint (cached under
+  `ENGINES/peers/`).
+
+A peer whose package is missing says what installs it (`make bench-peers`)."""
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
+from spork_trt.errors import UserError
 from spork_trt.weights import Checkpoint
 
-PEERS = {"hf-greedy": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10}}
+Run = Callable[[list[int], int, frozenset[int]], list[int]]  # (prompt ids, max new, EOS ids) -> ids, EOS excluded
+LOOKUP = 10  # draft tokens per prompt lookup step, both peers
 
 
+@dataclass(frozen=True)
+class Peer:
+    backend: str
+    load: Callable[[Checkpoint, Path], Run]  # (checkpoint, cache folder) -> run
+
+
+def until_eos(tokens, max_new: int, eos_ids: frozenset[int]) -> list[int]:
+    out = []
+    for t in tokens:
+        if int(t) in eos_ids:
+            break
+        out.append(int(t))
+        if len(out) >= max_new:
+            break
+    return out
+
+
+def need(module: str, peer: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise UserError(f"peer/{peer} needs the {module} package: run `make bench-peers`") from None
+
+
+# -- transformers ---------------------------------------------------------------------------------------------------
 def load_hf(ck: Checkpoint):
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -21,10 +65,102 @@ def load_hf(ck: Checkpoint):
 
 
 @torch.inference_mode()
-def hf_generate(hf, prompt_ids: list[int], max_new: int, eos_ids: frozenset[int], peer: str,
+def hf_generate(hf, prompt_ids: list[int], max_new: int, eos_ids: frozenset[int], lookup: int = 0,
                 min_new: int = 0) -> list[int]:
     """Generated ids, EOS excluded."""
     eos = sorted(eos_ids)
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False,
-                      eos_token_id=eos, pad_token_id=eos[0], **PEERS[peer])[0, len(prompt_ids):].tolist()
-    return out[:next((i for i, t in enumerate(out) if t in eos_ids), len(out))]
+                      eos_token_id=eos, pad_token_id=eos[0], **extra)[0, len(prompt_ids):].tolist()
+    return until_eos(out, max_new, eos_ids)
+
+
+def hf_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
+    hf = load_hf(ck)
+    return lambda ids, max_new, eos: hf_generate(hf, ids, max_new, eos, lookup)
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------------------
+def llama_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
+    peer = "llama-cpp" + ("-prompt-lookup" if lookup else "")
+    if ck.kind != "gguf":
+        raise UserError(f"peer/{peer} runs GGUF files: this checkpoint is {ck.path} ({ck.kind})")
+    llama_cpp = need("llama_cpp", peer)
+    draft = {}
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
+    cores = os.cpu_count() or 1
+    llm = llama_cpp.Llama(model_path=str(ck.path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
+                          verbose=False, **draft)
+
+    def run(ids: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
+        llm.reset()  # no KV reuse from the previous prompt: every arm prefills every prompt in full
+        return until_eos(llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                      reset=True), max_new, eos)
+    return run
+
+
+# -- onnxruntime-genai ----------------------------------------------------------------------------------------------
+def save_hf_dir(hf, out: Path) -> None:
+    """config.json + model.safetensors in fp32 (transformers will not save a model it loaded from a quantized GGUF)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = cfg.get("architectures") or [type(hf).__name__]
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.detach().contiguous().clone() for k, v in hf.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def genai_model_dir(ck: Checkpoint, cache: Path) -> Path:
+    """The onnxruntime-genai fp32 CPU model of `ck`, built once by its builder from a Hugging Face export."""
+    out = cache / f"ort-genai-fp32-{ck.path.stem}"
+    if (out / "genai_config.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    work = cache / f".ort-genai-work-{ck.path.stem}"
+    shutil.rmtree(work, ignore_errors=True)
+    hf_dir = work / "hf"
+    print(f"[bench] building the onnxruntime-genai model in {out} (once)", file=sys.stderr)
+    save_hf_dir(load_hf(ck), hf_dir)
+    tok_kw = {"gguf_file": ck.path.name} if ck.kind == "gguf" else {}
+    AutoTokenizer.from_pretrained(str(ck.path.parent if ck.kind == "gguf" else ck.path), **tok_kw).save_pretrained(
+        hf_dir)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(work / "model"),
+           "-p", "fp32", "-e", "cpu", "-c", str(work / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"the onnxruntime-genai builder failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    (work / "model").rename(out)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def genai_runner(ck: Checkpoint, cache: Path) -> Run:
+    og = need("onnxruntime_genai", "ort-genai")
+    model = og.Model(str(genai_model_dir(ck, cache)))
+
+    def tokens(ids: list[int], max_new: int):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        while not gen.is_done():
+            gen.generate_next_token()
+            yield gen.get_next_tokens()[0]
+
+    return lambda ids, max_new, eos: until_eos(tokens(ids, max_new), max_new, eos)
+
+
+PEERS = {
+    "hf-greedy": Peer("transformers", partial(hf_runner, 0)),
+    "hf-prompt-lookup": Peer("transformers", partial(hf_runner, LOOKUP)),
+    "llama-cpp": Peer("llama.cpp", partial(llama_runner, 0)),
+    "llama-cpp-prompt-lookup": Peer("llama.cpp", partial(llama_runner, LOOKUP)),
+    "ort-genai": Peer("onnxruntime-genai", genai_runner),
+}

@@ -70,9 +70,9 @@ def run_transformers(ck: Checkpoint, eos_id: int, prompts: list[list[int]], n: i
 
     hf = load_hf(ck)
     eos = frozenset({eos_id})
-    hf_generate(hf, prompts[0], n, eos, "hf-greedy", min_new=n)  # warm-up
+    hf_generate(hf, prompts[0], n, eos, min_new=n)  # warm-up
     t = time.perf_counter()
-    tokens = sum(len(hf_generate(hf, q, n, eos, "hf-greedy", min_new=n)) for q in prompts)
+    tokens = sum(len(hf_generate(hf, q, n, eos, min_new=n)) for q in prompts)
     return ArmResult("transformers generate", tokens, time.perf_counter() - t)
 
 

@@ -12,6 +12,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from spork_trt.errors import UserError
+
 from .arms import parse_arm
 
 
@@ -29,7 +31,9 @@ def run_arms(a) -> list[Path]:
             cmd += ["--engines", a.engines] if a.engines else []
             cmd += ["--seed", str(a.seed)] if a.seed is not None else []
             print(f"[bench] {prompts} / {arm}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
+            if subprocess.run(cmd).returncode != 0:
+                raise UserError(f"arm {arm} on {prompts} failed (its message is above); the records of the arms "
+                                f"before it are in {out}")
             files.append(f)
     return files
 

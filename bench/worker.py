@@ -26,24 +26,26 @@ def make_runner(arm, a):
     from spork_trt.tokenizer import load_tokenizer
     from spork_trt.weights import load_checkpoint
 
-    from .peers import hf_generate, load_hf
+    from .peers import PEERS
 
     if a.temperature != 0:
         raise UserError("peer arms are timed greedy only: use --temperature 0")
-    source = a.model
+    source, cache = a.model, Path(".cache/peers")
     if a.engines:
         from spork_trt.export import manifest as mf
 
         source = mf.read(Path(a.engines))["source"]["path"]  # the checkpoint the engines were built from
+        cache = Path(a.engines) / "peers"
     ck = load_checkpoint(source)
     tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
-    hf = load_hf(ck)
+    peer = PEERS[arm.peer]
+    generate = peer.load(ck, cache)
 
     def run(ids, cfg):
-        out = hf_generate(hf, ids, cfg.max_new_tokens, tok.eos_ids, arm.peer)
+        out = generate(ids, cfg.max_new_tokens, tok.eos_ids)
         return out, Stats(steps=len(out), committed_tokens=len(out))
 
-    return "transformers", tok, run
+    return peer.backend, tok, run
 
 
 def main(a) -> int:

@@ -27,7 +27,8 @@ from .verify import Verdict
 
 
 class Drafter(Protocol):
-    def reset(self, prompt_ids: list[int], max_len: int) -> None: ...
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+        """Start a sequence; `target`: the target engine, its prompt rows committed (a self-draft may take them)."""
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree: ...
 
@@ -45,12 +46,18 @@ class ModelDrafter:
     engine: object
     sampling: SamplingConfig
     gen: torch.Generator
+    # a self-draft (the target quantized, or its first layers) takes the target's prompt KV rows instead of running
+    # the prompt itself: exact for early exit, close for a quantized copy; only draft quality depends on it
+    share_prompt: bool = False
     behind: list[int] = field(default_factory=list)
     rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
 
-    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         self.engine.reset(max_len)
-        prefill(self.engine, prompt_ids)
+        adopted = (self.share_prompt and target is not None
+                   and self.engine.cache.adopt(target.cache, len(prompt_ids)))
+        if not adopted:
+            prefill(self.engine, prompt_ids)
         self.behind, self.rows = [], {}
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
@@ -151,7 +158,7 @@ class NgramDrafter:
     min_n: int = 1  # shortest suffix worth matching
     context: list[int] = field(default_factory=list)
 
-    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         self.context = list(prompt_ids)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
@@ -183,9 +190,9 @@ class HybridDrafter:
     model: ModelDrafter
     model_spec: SpecConfig  # the model drafter's own tree shape
 
-    def reset(self, prompt_ids: list[int], max_len: int) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         self.ngram.reset(prompt_ids, max_len)
-        self.model.reset(prompt_ids, max_len)
+        self.model.reset(prompt_ids, max_len, target)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         tree = self.ngram.propose(root, spec)

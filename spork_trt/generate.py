@@ -56,7 +56,7 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
     target.reset(room)
     root = pick(prefill(target, prompt_ids), cfg.sampling, gen)  # the first token is free
     if drafter is not None:
-        drafter.reset(prompt_ids, room + spec.tree_depth)
+        drafter.reset(prompt_ids, room + spec.tree_depth, target)
     stats.prefill_s = time.perf_counter() - t0
     emit(stop, stats, on_tokens, [root], draft=0, accepted=0)
     behind: list[int] = []  # gate mode: committed tokens before the root that the target has not run yet

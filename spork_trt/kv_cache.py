@@ -41,6 +41,23 @@ class Rows:
             self.length += len(rows)
         self.pending = 0
 
+    def adopt(self, other: Rows, n: int) -> bool:
+        """Copy `other`'s first `n` committed rows of its first layers in as this cache's committed rows (a self-draft
+        takes the target's prompt rows instead of running the prompt); False, nothing changed, when the two buffers
+        differ in kind, device or layout (`other` may have more layers) or `other` has fewer rows."""
+        same = (type(self.k) is type(other.k) and self.axis == other.axis and self.k.dtype == other.k.dtype
+                and getattr(self.k, "device", None) == getattr(other.k, "device", None)
+                and self.k.shape[1:self.axis] + self.k.shape[self.axis + 1:]
+                == other.k.shape[1:other.axis] + other.k.shape[other.axis + 1:])
+        if not same or self.k.shape[0] > other.k.shape[0] or n > min(other.length, self.max_len):
+            return False
+        layers = self.k.shape[0]
+        rows = (slice(None),) * (self.axis - 1) + (slice(0, n),)  # after the layer axis
+        self.k[(slice(None),) + rows] = other.k[(slice(0, layers),) + rows]
+        self.v[(slice(None),) + rows] = other.v[(slice(0, layers),) + rows]
+        self.length, self.pending = n, 0
+        return True
+
     def truncate(self, length: int) -> None:
         """Roll back to `length` committed rows."""
         assert 0 <= length <= self.length, (length, self.length)

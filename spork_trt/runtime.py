@@ -137,7 +137,8 @@ class Runtime:
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
-        return ModelDrafter(self.draft_engine(name), sampling, make_generator(seed))
+        return ModelDrafter(self.draft_engine(name), sampling, make_generator(seed),
+                            share_prompt=kind in (*SELF_DRAFTS, "early-exit"))
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,

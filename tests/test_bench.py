@@ -17,9 +17,29 @@ def test_arm_names():
         "spork", "self-int8", 2, 5, 10) and a.spec.adaptive
     assert not parse_arm("spork/ngram/fixed").spec.adaptive and parse_arm("spork/ngram/fixed").spec.tree_budget == 12
     assert parse_arm("peer/hf-prompt-lookup").peer == "hf-prompt-lookup"
+    assert parse_arm("peer/llama-cpp-prompt-lookup").peer == "llama-cpp-prompt-lookup"
+    assert parse_arm("peer/ort-genai").mode == "peer"
     for bad in ("spork", "spork/ngram/3x6", "peer/vllm", "greedy"):
         with pytest.raises(UserError):
             parse_arm(bad)
+
+
+def test_peer_stop_rule_and_missing_packages():
+    from bench.peers import need, until_eos
+
+    assert until_eos(iter([5, 6, 2, 7]), 8, frozenset({2})) == [5, 6]  # EOS excluded, nothing after it
+    assert until_eos(iter([5, 6, 7, 8]), 3, frozenset({2})) == [5, 6, 7]  # max new tokens
+    assert until_eos(iter([]), 3, frozenset({2})) == []
+    with pytest.raises(UserError, match="make bench-peers"):
+        need("no_such_peer_package", "llama-cpp")
+
+
+def test_llama_cpp_peer_wants_a_gguf(tmp_path):
+    from bench.peers import PEERS
+    from spork_trt.weights import Checkpoint
+
+    with pytest.raises(UserError, match="GGUF"):
+        PEERS["llama-cpp"].load(Checkpoint(None, tmp_path, "hf"), tmp_path)
 
 
 def record(arm, pid, tokens, time_s, ids, **over):

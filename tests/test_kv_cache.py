@@ -121,3 +121,26 @@ def test_a_tree_grown_in_several_forwards_commits_like_one():
     assert (last - full(m, prompt + [20, 21, 23])[-1:]).abs().max() < TOL
     cache.commit([0, 1, 3])
     assert (step(m, cache, [5]) - full(m, prompt + [20, 21, 23, 5])[-1:]).abs().max() < TOL
+
+
+def test_adopted_prompt_rows_equal_running_the_prompt():
+    """An early-exit draft that takes the target's prompt rows decodes exactly as if it had run the prompt itself;
+    adopt refuses buffers of another layout or too few rows, and changes nothing then."""
+    from spork_trt.engines import forward_chain, prefill
+    from spork_trt.engines.torch_engine import TorchEngine
+
+    m = model()
+    prompt = [3, 9, 27, 17, 51, 25, 11]
+    target, own, adopted = TorchEngine(m), TorchEngine(m, exit_layer=1), TorchEngine(m, exit_layer=1)
+    for e in (target, own, adopted):
+        e.reset(16)
+    prefill(target, prompt)
+    prefill(own, prompt)
+    assert adopted.cache.adopt(target.cache, len(prompt)) and adopted.length == len(prompt)
+    assert torch.equal(forward_chain(adopted, [5, 6]), forward_chain(own, [5, 6]))
+    other = TorchEngine(random_checkpoint(tiny_config(n_kv_heads=1), seed=4).model)
+    other.reset(16)
+    fresh = TorchEngine(m)
+    fresh.reset(16)
+    assert not fresh.cache.adopt(other.cache, 0)  # another KV layout
+    assert not fresh.cache.adopt(target.cache, len(prompt) + 1) and fresh.length == 0  # more rows than it has

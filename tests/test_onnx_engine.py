@@ -41,6 +41,20 @@ def test_graph_follows_io_spec(tiny):
             assert dims == list(spec.dims), (vi.name, dims, spec.dims)
 
 
+def test_lean_graph_has_no_shape_arithmetic_and_fused_projections(tiny):
+    from spork_trt.export.lean import rotate_half_matrix
+    from spork_trt.model import rotate_half
+
+    model, target, _, _ = tiny
+    x = torch.randn(3, 5, model.cfg.head_dim)
+    assert torch.equal(x @ rotate_half_matrix(model.cfg.head_dim), rotate_half(x))  # exact, not close
+    nodes = onnx.load(str(target), load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
+    assert not [n.name for n in nodes if n.op_type == "Shape" and "layers" in n.name]  # constant-shape reshapes
+    weight_matmuls = 3 * 4 + 1  # per layer: qkv, wo, gate_up, down; plus the LM head
+    assert ops.count("MatMul") == weight_matmuls + 3 * 3  # + per layer: rotary, scores, values
+
+
 @pytest.mark.parametrize("make", ["torch", "onnx"])
 def test_engine_interface_invariants(tiny, make):
     model, target, _, _ = tiny
@@ -64,13 +78,13 @@ def test_engine_interface_invariants(tiny, make):
 
 
 @pytest.mark.parametrize("draft", ["int8", "early"])
-@pytest.mark.parametrize("width,depth", [(1, 4), (3, 3)])
-def test_spork_on_onnx_engines_equals_plain(tiny, draft, width, depth):
+@pytest.mark.parametrize("width,depth,share", [(1, 4, True), (3, 3, True), (3, 3, False)])
+def test_spork_on_onnx_engines_equals_plain(tiny, draft, width, depth, share):
     model, target, early, int8 = tiny
     cfg = GenerateConfig(max_new_tokens=40, sampling=SamplingConfig())
     want = generate(TorchEngine(model), [1, 2, 3, 4], cfg, frozenset()).token_ids
     engine = OnnxEngine(early, model.cfg, n_layers=1) if draft == "early" else OnnxEngine(int8, model.cfg)
-    drafter = ModelDrafter(engine, SamplingConfig(), torch.Generator())
+    drafter = ModelDrafter(engine, SamplingConfig(), torch.Generator(), share_prompt=share)
     spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=width * depth)
     got = generate(OnnxEngine(target, model.cfg), [1, 2, 3, 4], cfg, frozenset(), drafter=drafter, spec=spec)
     assert got.token_ids == want

@@ -52,7 +52,7 @@ def q_types(path) -> set[int]:
 def test_graphs_carry_their_quantized_ops(tiny):
     _, fp32, graphs = tiny
     n_weights = len(weight_matmuls(fp32))
-    assert n_weights == 7 * CFG.n_layers + 1  # q, k, v, o, gate, up, down per layer and the LM head
+    assert n_weights == 4 * CFG.n_layers + 1  # q|k|v, o, gate|up, down per layer (fused by lean.py) and the LM head
     assert ops(graphs["int8"])["MatMulNBits"] == ops(graphs["int4"])["MatMulNBits"] == n_weights
     assert ops(graphs["int8-dynamic"])["MatMulInteger"] == len(int8_matmuls(fp32)) == n_weights - CFG.n_layers
     assert q_types(graphs["int8-static"]) == {onnx.TensorProto.INT8}

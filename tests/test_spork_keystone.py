@@ -36,7 +36,8 @@ def drafter_for(kind: str, target):
         "useless": lambda: random_checkpoint(target.cfg, seed=99, scale=8.0).model,
     }.get(kind)
     engine = TorchEngine(target, exit_layer=1) if kind == "early-exit" else TorchEngine(model())
-    return ModelDrafter(engine, GREEDY, gen)
+    # as the runtime does: self-drafts take the target's prompt rows ("perfect" and "useless" run the prompt)
+    return ModelDrafter(engine, GREEDY, gen, share_prompt=kind in ("self-int8", "self-int4", "early-exit"))
 
 
 def run(target, prompt, n, drafter=None, spec=SpecConfig()):

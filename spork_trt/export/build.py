@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from . import manifest as mf
 from . import tensorrt as trt_build
-from .onnx_graph import OPSET, export_onnx
+from .onnx_graph import GRAPH_LAYOUT, OPSET, export_onnx
 from .quantize import quantize
 
 PRECISIONS = ("fp32", *QUANTS)  # ONNX Runtime targets
@@ -72,7 +72,8 @@ def build(cfg: BuildConfig) -> Path:
     stage(f"hashing source checkpoint {source}")
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
-              "drafts": list(cfg.drafts), "opset": OPSET, "tools": mf.tool_versions(), "backend": cfg.backend,
+              "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT, "tools": mf.tool_versions(),
+              "backend": cfg.backend,
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
               "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
               else None}
