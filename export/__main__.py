@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-concurrency", type=int, default=8,
                    help="requests one spork instance runs at once, each on its own KV cache (default: %(default)s)")
     t.add_argument("--draft", default="ngram", help="the drafter the server uses (default: %(default)s)")
+    t.add_argument("--spec-max-active", type=int, default=None,
+                   help="speculate while at most N requests run on an instance, plain steps above (0: at any load; "
+                        "default: 1 on the cpu profile, where one request already takes every core; 0 on gpu)")
     c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from spork_trt.export.calibrate import CalibrateConfig
@@ -90,7 +93,7 @@ def triton(a) -> int:
     from spork_trt.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances,
-                             a.max_concurrency, a.draft))
+                             a.max_concurrency, a.draft, a.spec_max_active))
     print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
     return 0
 

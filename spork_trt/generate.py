@@ -45,12 +45,14 @@ def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
              decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
              drafter=None, spec: SpecConfig = SpecConfig(), stats: Stats | None = None,
-             verifier: Verifier | None = None, observe: Observe | None = None) -> GenerationResult:
+             verifier: Verifier | None = None, observe: Observe | None = None,
+             busy: Callable[[], bool] | None = None) -> GenerationResult:
     """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it).
-    `verifier` scores draft nodes (pruning; gate mode needs it); `observe` sees every verified step."""
+    `verifier` scores draft nodes (pruning; gate mode needs it); `observe` sees every verified step; `busy`
+    (serving) makes steps plain while it returns True."""
     max_new = budget(len(prompt_ids), cfg, target.cfg.max_seq_len)
     stop, stats = StopState(eos_ids, max_new, cfg.stop_strings, decode), stats or Stats()
-    gen, sched = make_generator(cfg.sampling.seed), Scheduler(spec)
+    gen, sched = make_generator(cfg.sampling.seed), Scheduler(spec, busy=busy)
     t0 = time.perf_counter()
     room = len(prompt_ids) + max_new + spec.tree_budget + spec.tree_depth + 1
     target.reset(room)
@@ -94,6 +96,7 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
              accepted=0 if gated else len(verdict.accepted), gated=len(gated))
     stats.time_s = time.perf_counter() - t0
     stats.fallbacks, stats.pruned_tokens, stats.verifier_offs = sched.fallbacks, sched.pruned, sched.verifier_offs
+    stats.busy_steps = sched.busy_steps
     return GenerationResult(stop.tokens, stop.reason, stats, stop.text() if decode else None)
 
 

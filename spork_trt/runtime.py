@@ -142,13 +142,13 @@ class Runtime:
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
-                 stats: Stats | None = None) -> GenerationResult:
+                 stats: Stats | None = None, busy: Callable[[], bool] | None = None) -> GenerationResult:
         assert mode in MODES, mode
         check_verifier(mode, spec, cfg, self.head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and self.head is not None)
         return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
-                        drafter, spec, stats, self.verifier() if scoring else None)
+                        drafter, spec, stats, self.verifier() if scoring else None, busy=busy)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:

@@ -8,7 +8,9 @@ plain steps. Each step:
     while expected committed tokens per second of verify time grows; keeping none is a plain step;
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
-    plain ones, decode plainly for `cooldown` steps, then probe again.
+    plain ones, decode plainly for `cooldown` steps, then probe again;
+  - load (serving): while `busy()` says the host's compute is taken by other requests, steps are plain: a tree
+    verify costs more compute than the one token it replaces, so under saturation it lowers throughput.
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -19,6 +21,7 @@ Pruning only removes nodes before verification, so the output stays token-for-to
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .config import SpecConfig
@@ -64,6 +67,8 @@ class Scheduler:
     score_saving: float | None = None  # target verify seconds its pruning saves per call (cost model)
     baseline_n: int = 0  # nodes the (depth, rank) pruning alone would have verified this step
     recent: float = 0.0  # draft tokens accepted per speculative step, moving average (a verifier feature)
+    busy: Callable[[], bool] | None = None  # serving: True while other requests take the compute (plain steps)
+    busy_steps: int = 0  # steps decoded plainly because of `busy`
 
     def __post_init__(self) -> None:
         self.depth, self.tau = self.spec.tree_depth, self.spec.tau
@@ -74,6 +79,9 @@ class Scheduler:
         return self.spec.adaptive
 
     def speculate(self) -> bool:
+        if self.busy is not None and self.busy():
+            self.busy_steps += 1
+            return False
         return self.cooling == 0
 
     def shape(self) -> SpecConfig:

@@ -157,19 +157,24 @@ def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
 class Service:
     """The spork step: one shared runtime (weights, sessions); per request a fork with its own caches."""
 
-    def __init__(self, runtime: Runtime, spec: SpecConfig) -> None:
+    def __init__(self, runtime: Runtime, spec: SpecConfig, spec_max_active: int = 0) -> None:
         self.runtime, self.spec = runtime, spec
+        self.spec_max_active = spec_max_active  # speculate while at most this many requests run; 0: always
         self.active = 0  # requests in flight
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, engines: Path, draft: str = SpecConfig.draft,
-             providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> Service:
+             providers: tuple[str, ...] = ("CPUExecutionProvider",), spec_max_active: int = 0) -> Service:
         rt = Runtime.from_engines(engines, providers)
         spec = SpecConfig.for_draft(draft)
         if spec.draft not in ("ngram", "hybrid"):
             rt.draft_engine(spec.draft)  # load it now, not on the first request
-        return cls(rt, spec)
+        return cls(rt, spec, spec_max_active)
+
+    def busy(self) -> bool:
+        """More requests in flight than speculation pays for: the compute is taken (plain steps meanwhile)."""
+        return self.active > self.spec_max_active
 
     def run(self, inputs: Inputs, send: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False,
             can_stream: bool = True) -> bool:
@@ -193,7 +198,7 @@ class Service:
             self.active += 1
         try:
             result = rt.generate(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec, on_tokens=on_tokens,
-                                 stats=stats)
+                                 stats=stats, busy=self.busy if self.spec_max_active else None)
         except Cancelled:
             return False
         finally:

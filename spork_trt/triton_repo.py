@@ -31,6 +31,10 @@ class RepoConfig:
     instances: int = 1  # spork model instances
     max_concurrency: int = 8  # requests one spork instance runs at once (each on its own KV caches)
     draft: str = SpecConfig.draft
+    # speculate while at most this many requests run on an instance (more: plain steps until fewer run); 0: always.
+    # None: 1 on the cpu profile (one request's ONNX Runtime calls already take every core, so a second request
+    # saturates them and a tree's extra compute lowers throughput), 0 on the gpu profile
+    spec_max_active: int | None = None
 
     @property
     def repo(self) -> Path:
@@ -105,6 +109,8 @@ def render(cfg: RepoConfig) -> Path:
         raise UserError(f"--profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
     if not 1 <= cfg.instances <= 64 or not 1 <= cfg.max_concurrency <= 256:
         raise UserError("--instances must be in 1..64 and --max-concurrency in 1..256")
+    if cfg.spec_max_active is not None and not 0 <= cfg.spec_max_active <= 256:
+        raise UserError("--spec-max-active must be in 0..256 (0: speculate at any load)")
     mf.read(cfg.engines)  # a clear error if this is not a build
     if not TEMPLATES.is_dir():
         raise UserError(f"model templates not found at {TEMPLATES}: install spork_trt from its source tree "
@@ -117,6 +123,7 @@ def render(cfg: RepoConfig) -> Path:
     params = {
         "preprocessing": {"engines": where},
         "spork": {"engines": where, "draft": cfg.draft, "max_concurrency": str(cfg.max_concurrency),
+                  "spec_max_active": str((0 if gpu else 1) if cfg.spec_max_active is None else cfg.spec_max_active),
                   "providers": GPU_PROVIDERS if gpu else "CPUExecutionProvider", "_count": str(cfg.instances)},
         "postprocessing": {"engines": where},
     }

@@ -66,3 +66,26 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     assert s.speculate()
     s.record(miss, Verdict((0, 1), (10,), 7), True, 0.05, 0.01)  # 2 tokens in 60 ms: slower than plain
     assert not s.speculate() and s.fallbacks == 2
+
+
+def test_busy_makes_steps_plain_and_keeps_the_output():
+    """Serving under load: while busy() holds, steps are plain (no draft verified) and counted; the output is the
+    same as plain decoding whatever the load does."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.drafters import NgramDrafter
+    from spork_trt.engines.torch_engine import TorchEngine
+    from spork_trt.generate import generate
+    from spork_trt.weights import random_checkpoint
+    from tests.conftest import tiny_config
+
+    sched = Scheduler(SpecConfig(), busy=lambda: True)
+    assert not sched.speculate() and not sched.speculate() and sched.busy_steps == 2
+    model = random_checkpoint(tiny_config(), seed=5, scale=8.0).model
+    prompt, cfg = [5, 6, 7, 5, 6, 7, 5, 6], GenerateConfig(max_new_tokens=30)
+    want = generate(TorchEngine(model), prompt, cfg, frozenset())
+    calls = iter(range(1000))
+    for busy, load in ((lambda: True, "all"), (lambda: next(calls) % 3 == 0, "some"), (lambda: False, "none")):
+        got = generate(TorchEngine(model), prompt, cfg, frozenset(), drafter=NgramDrafter(4), busy=busy)
+        assert got.token_ids == want.token_ids, load
+        assert (got.stats.draft_tokens > 0) == (load != "all"), load
+        assert (got.stats.busy_steps > 0) == (load != "none"), load

@@ -42,6 +42,7 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
             assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
         sp = load(repo, spork)
         assert sp.instance_group[0].count == 2 and sp.parameters["max_concurrency"].string_value == "4"
+        assert sp.parameters["spec_max_active"].string_value == ("0" if profile == "gpu" else "1")  # load rule
         assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu")
         e = load(repo, name)
         assert e.platform == "ensemble"

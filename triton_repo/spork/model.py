@@ -30,7 +30,8 @@ def error_response(e):
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
-        self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")))
+        self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
+                                    int(params.get("spec_max_active", "0")))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.pool = ThreadPoolExecutor(max_workers=int(params["max_concurrency"]), thread_name_prefix="spork")
 
