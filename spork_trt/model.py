@@ -56,6 +56,19 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids [B, T], inv_freq [D/2] -> cos, sin [B, T, D] (the two halves repeat, as rotate_half expects)."""
+    freqs = position_ids.to(inv_freq.dtype)[:, :, None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mask_bias(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, T, S] bool (True = may attend) -> additive attention bias [B, T, S]: 0 or the float32 minimum."""
+    return torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -147,12 +160,9 @@ class Transformer(nn.Module):
     ) -> ModelOutput:
         n = self.cfg.n_layers if exit_layer is None else exit_layer
         assert 0 < n <= self.cfg.n_layers, f"exit_layer must be in 1..{self.cfg.n_layers}"
-        freqs = position_ids.to(self.inv_freq.dtype)[:, :, None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         x = self.embed(input_ids)  # [B, T, C]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
-        bias = bias[:, None, None]  # [B, 1, 1, T, S]
+        cos, sin = (c[:, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, 1, T, D]
+        bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, S]
         hidden = None
         for i, layer in enumerate(self.layers[:n]):
             x = layer(x, cos, sin, bias, i, kv)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import RMSNorm, Transformer
+from ..model import RMSNorm, Transformer, mask_bias, rope_cos_sin
 
 
 class Reshape(torch.autograd.Function):
@@ -116,13 +116,9 @@ class LeanGraph(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         # input_ids, position_ids [B, T]; attention_mask [B, T, S] bool; past: key, value [B, P, Hkv, D] per layer
-        freqs = position_ids.to(self.inv_freq.dtype)[:, :, None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, T, 1, D]
         x = self.embed(input_ids)  # [B, T, C]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        bias = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill(
-            ~attention_mask, torch.finfo(torch.float32).min)  # [B, T, S]
-        bias = bias[:, None].repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
+        cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, T, 1, D]
+        bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
         new = []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
