@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
   python -m export calibrate                              # fit on mt_bench, report on humaneval
   python -m export calibrate --prompts humaneval --limit 40 --json
+  python -m export calibrate --draft self-int8            # a head for the INT8 self-draft (one head per drafter)
 """
 
 
@@ -72,7 +73,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--heldout", default=None, help="set to report on (default: the other built-in set)")
     c.add_argument("--limit", type=int, default=CalibrateConfig.limit, help="prompts per set (default: %(default)s)")
     c.add_argument("--max-new-tokens", type=int, default=CalibrateConfig.max_new_tokens)
-    c.add_argument("--draft", default=CalibrateConfig.draft, help="the drafter whose trees are scored")
+    c.add_argument("--draft", default=CalibrateConfig.draft,
+                   help="the drafter whose trees are scored; the head is saved for it (default: %(default)s)")
+    c.add_argument("--tree-depth", type=int, default=None,
+                   help="draft depth while collecting (default: the drafter's own; deeper labels more depths)")
     c.add_argument("--plot", default=None, help="reliability diagram PNG (default: ENGINES/calibration/...)")
     c.add_argument("--json", action="store_true", help='print {"per_depth": [...], "heldout": ...}')
     return p
@@ -81,10 +85,10 @@ def parser() -> argparse.ArgumentParser:
 def calibrate(a) -> int:
     from spork_trt.export.calibrate import CalibrateConfig, calibrate, table
 
-    if a.limit <= 0 or a.max_new_tokens <= 0:
-        raise UserError("--limit and --max-new-tokens must be positive")
+    if a.limit <= 0 or a.max_new_tokens <= 0 or (a.tree_depth is not None and a.tree_depth <= 0):
+        raise UserError("--limit, --max-new-tokens and --tree-depth must be positive")
     report = calibrate(CalibrateConfig(Path(a.engines), a.prompts, a.heldout, a.limit, a.max_new_tokens, a.draft,
-                                       Path(a.plot) if a.plot else None))
+                                       a.tree_depth, Path(a.plot) if a.plot else None))
     print(json.dumps(report.to_json()) if a.json else table(report))
     return 0
 

@@ -16,7 +16,7 @@ from .generate import GenerationResult, OnTokens, generate
 from .sampling import make_generator
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer
-from .verifier import HEAD_FILE, ConfidenceHead, Verifier
+from .verifier import ConfidenceHead, Verifier, load_heads
 from .weights import load_checkpoint
 
 MODES = ("plain", "spork", "gate")
@@ -45,7 +45,7 @@ class Runtime:
     build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
     backend: str = "torch"
     verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
-    head: ConfidenceHead | None = None  # the verifier's calibrated confidence head, when `export calibrate` ran
+    heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
@@ -80,7 +80,7 @@ class Runtime:
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
                      load_head: bool = True) -> Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
-        where the build made them); with the verifier's confidence head when `export calibrate` wrote one (and
+        where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
         `load_head`)."""
         from .engines import load_engine
         from .export import manifest as mf
@@ -102,11 +102,8 @@ class Runtime:
 
         target = load_engine(d, built["target"], cfg, providers)
         layers = built["verifier"]["layers"]
-        head = ConfidenceHead.load(d / HEAD_FILE) if load_head and (d / HEAD_FILE).is_file() else None
-        if head is not None and head.verifier_layers != layers:
-            raise UserError(f"{d / HEAD_FILE} was calibrated for a {head.verifier_layers}-layer verifier, this build "
-                            f"has {layers}: rerun `python -m export calibrate --engines {d}`")
-        return cls(cfg, tok, target, draft_engine, m["backend"], layers, head)
+        heads = load_heads(d, layers) if load_head else {}
+        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads)
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
@@ -123,11 +120,11 @@ class Runtime:
             return parent.draft_engine(f"{kind}:{arg}" if arg else kind).fresh()
 
         return Runtime(self.cfg, self.tokenizer, self.engine.fresh(), draft_engine, self.backend,
-                       self.verifier_layers, self.head)
+                       self.verifier_layers, self.heads)
 
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
-        """The early-layer verifier (its engine runs on the target engine's cache) with `head` or this build's."""
-        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head or self.head)
+        """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`."""
+        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
         kind, _ = parse_draft(name, self.cfg.n_layers)
@@ -144,11 +141,12 @@ class Runtime:
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
                  stats: Stats | None = None, busy: Callable[[], bool] | None = None) -> GenerationResult:
         assert mode in MODES, mode
-        check_verifier(mode, spec, cfg, self.head)
+        head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
+        check_verifier(mode, spec, cfg, head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
-        scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and self.head is not None)
+        scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
         return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
-                        drafter, spec, stats, self.verifier() if scoring else None, busy=busy)
+                        drafter, spec, stats, self.verifier(head) if scoring else None, busy=busy)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:
@@ -160,8 +158,8 @@ def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: Confi
     if mode == "gate" and not cfg.sampling.greedy:
         raise UserError("--mode gate is greedy only (it is measured against greedy decoding): drop --temperature")
     if (mode == "gate" or spec.verifier == "on") and not head:
-        raise UserError("the verifier has no calibrated confidence head: run `python -m export calibrate` on the "
-                        "engines and pass them with --engines")
+        raise UserError(f"the verifier has no confidence head calibrated for the {spec.draft} drafter: run "
+                        f"`python -m export calibrate --draft {spec.draft}` on the engines, pass them with --engines")
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_draft: int, where: str) -> None:

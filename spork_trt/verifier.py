@@ -12,7 +12,10 @@ accepted), a logistic regression fitted by `python -m export calibrate` on real 
 survival = product of confidences along the path (root 1.0); it never grows with depth, so pruning at a threshold
 keeps every kept node's parent.
 
-The head is stored as JSON (weights, feature standardization, fit metadata): no pickle is ever loaded.
+The head is stored as JSON (weights, feature standardization, fit metadata): no pickle is ever loaded. A head
+belongs to the drafter it was fitted on (the drafter's own score is a feature, and what it means differs: a
+probability for model drafters, a matched suffix length for n-gram), so a build keeps one head per drafter,
+`confidence_head-<drafter>.json`, and a request is scored only with its own drafter's head.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 from .errors import UserError
 from .tree import DraftTree, compile_tree
 
-HEAD_FILE = "confidence_head.json"
+HEAD_GLOB = "confidence_head*.json"
 MAX_DEPTH = 6  # depth one-hot: 1..5 and 6+
 MAX_RANK = 3  # sibling rank one-hot: 0, 1, 2+
 FEATURES = ("logp", "top_logp", "entropy", "is_top", "log_rank", "draft_score", "parent_logp", "recent_accepted",
@@ -69,6 +72,23 @@ class ConfidenceHead:
             raise UserError(f"{path} was written for other confidence features: rerun `python -m export calibrate`")
         return cls(tuple(d["weights"]), d["bias"], tuple(d["mean"]), tuple(d["scale"]), d["verifier_layers"],
                    d.get("meta", {}))
+
+
+def head_file(draft: str) -> str:
+    """The file name of `draft`'s head in a build folder (`model:PATH` and `early-exit:N` made file-safe)."""
+    return "confidence_head-" + "".join(c if c.isalnum() or c in "-." else "_" for c in draft) + ".json"
+
+
+def load_heads(d: Path, verifier_layers: int) -> dict[str, ConfidenceHead]:
+    """Every head calibrated for the build in `d`, by drafter (an older single `confidence_head.json` included)."""
+    heads = {}
+    for f in sorted(d.glob(HEAD_GLOB)):
+        head = ConfidenceHead.load(f)
+        if head.verifier_layers != verifier_layers:
+            raise UserError(f"{f} was calibrated for a {head.verifier_layers}-layer verifier, this build has "
+                            f"{verifier_layers}: rerun `python -m export calibrate --engines {d}`")
+        heads[head.meta.get("draft", "ngram")] = head
+    return heads
 
 
 def fit_head(x: np.ndarray, y: np.ndarray, verifier_layers: int, l2: float = 1e-2, meta: dict | None = None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spork_trt.verifier import HEAD_FILE
+from spork_trt.verifier import HEAD_GLOB, head_file
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,9 @@ def test_calibrate_reports_per_depth_metrics_and_saves_the_head(calibrated):
     assert out["heldout"] == "humaneval" and out["per_depth"][0]["depth"] == 1
     for m in out["per_depth"]:
         assert set(m) >= {"depth", "n", "ece", "auroc", "brier"} and m["n"] > 0 and 0 <= m["ece"] <= 1
-    head = json.loads((d / HEAD_FILE).read_text())
-    assert head["verifier_layers"] == 8 and head["meta"]["heldout"] == "humaneval"
-    assert (d / "calibration" / "reliability.png").stat().st_size > 1000
+    head = json.loads((d / head_file("ngram")).read_text())
+    assert head["verifier_layers"] == 8 and head["meta"]["heldout"] == "humaneval" and head["meta"]["draft"] == "ngram"
+    assert (d / "calibration" / "reliability-ngram.png").stat().st_size > 1000
     assert list((d / "calibration").glob("nodes-*.npz"))  # a rerun reuses the collected nodes
     again = cli(*CALIBRATE, "--engines", str(d))
     assert again.returncode == 0 and "labelled nodes from" in again.stderr and "ECE" in again.stdout
@@ -65,8 +65,20 @@ def test_verifier_on_is_lossless_and_gate_mode_is_marked_lossy(calibrated, promp
     assert gate["token_ids"] and gate["stats"]["scored_steps"] > 0 and "gated_tokens" in gate["stats"]
 
 
+def test_a_head_scores_only_the_drafter_it_was_fitted_on(calibrated):
+    """The n-gram head is not used for the INT8 self-draft (the drafter's own score means something else there):
+    auto runs without scoring, a forced verifier says which calibration to run."""
+    calibrated, _ = calibrated
+    prompt = "Name three rivers."
+    auto = generate_json(calibrated, prompt, "--draft", "self-int8")
+    assert auto["stats"]["scored_steps"] == 0
+    r = cli("-m", "spork_trt", "generate", prompt, "--engines", str(calibrated), "--draft", "self-int8",
+            "--verifier", "on")
+    assert r.returncode == 2 and "export calibrate --draft self-int8" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_gate_and_forced_verifier_need_a_head(default_engines):
-    assert not (default_engines / HEAD_FILE).exists()  # `export build` writes no head; calibrate runs on a copy
+    assert not list(default_engines.glob(HEAD_GLOB))  # `export build` writes no head; calibrate runs on a copy
     r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate", "--tau", "0.5")
     assert r.returncode == 2 and "export calibrate" in r.stderr and "Traceback" not in r.stderr
     r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate")

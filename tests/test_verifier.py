@@ -17,7 +17,7 @@ from spork_trt.generate import generate
 from spork_trt.quant import int8_copy
 from spork_trt.scheduler import FIRST_PROBE, PROBE_EVERY, Scheduler
 from spork_trt.tree import DraftTree, compile_tree
-from spork_trt.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, gate_path, survival
+from spork_trt.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, gate_path, head_file, load_heads, survival
 from spork_trt.weights import random_checkpoint
 from tests.conftest import tiny_config
 
@@ -127,6 +127,20 @@ def test_fit_head_learns_a_signal_and_round_trips(tmp_path):
         ConfidenceHead.load(tmp_path / "bad.json")
     with pytest.raises(UserError, match="both accepted and rejected"):
         fit_head(x[:50], np.ones(50), 4)
+
+
+def test_heads_are_kept_per_drafter(tmp_path):
+    """One head file per drafter (file-safe names), found by the drafter each was fitted on; an older single
+    confidence_head.json counts as the n-gram drafter's; a head for another verifier depth is refused."""
+    assert head_file("model:/a/b.gguf") == "confidence_head-model__a_b.gguf.json"
+    assert head_file("early-exit:8") == "confidence_head-early-exit_8.json"
+    for draft, bias in (("self-int8", 1.0), ("early-exit:8", 2.0)):
+        ConfidenceHead((0.0,) * F, bias, (0.0,) * F, (1.0,) * F, 4, {"draft": draft}).save(tmp_path / head_file(draft))
+    head({}, 3.0, 4).save(tmp_path / "confidence_head.json")  # no meta: written before heads were per drafter
+    heads = load_heads(tmp_path, 4)
+    assert {k: h.bias for k, h in heads.items()} == {"self-int8": 1.0, "early-exit:8": 2.0, "ngram": 3.0}
+    with pytest.raises(UserError, match="4-layer verifier, this build has 8"):
+        load_heads(tmp_path, 8)
 
 
 def test_metrics_on_hand_made_values():

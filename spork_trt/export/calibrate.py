@@ -20,7 +20,7 @@ from ..config import GenerateConfig, SpecConfig
 from ..errors import UserError
 from ..generate import generate
 from ..prompts import load_prompts
-from ..verifier import FEATURES, HEAD_FILE, ConfidenceHead, Verifier, fit_head
+from ..verifier import FEATURES, ConfidenceHead, Verifier, fit_head, head_file
 
 DEPTHS = range(1, 7)
 BINS = 10
@@ -33,8 +33,18 @@ class CalibrateConfig:
     heldout: str | None = None  # reported on (default: the other built-in set)
     limit: int = 40  # prompts per set (about 2 minutes each here)
     max_new_tokens: int = 128
-    draft: str = "ngram"
-    plot: Path | None = None  # default: ENGINES/calibration/reliability.png
+    draft: str = "ngram"  # the drafter whose trees are scored: the head is saved for it alone
+    tree_depth: int | None = None  # draft depth while collecting (default: the drafter's own shape)
+    plot: Path | None = None  # default: ENGINES/calibration/reliability-<drafter>.png
+
+    def spec(self) -> SpecConfig:
+        """A fixed tree shape (so every drafted node is verified and labelled): the drafter's own, or its width at
+        `tree_depth` with room for every depth."""
+        if self.tree_depth is None:
+            return SpecConfig.for_draft(self.draft, adaptive=False, verifier="on")
+        base = SpecConfig.for_draft(self.draft)
+        return SpecConfig.for_draft(self.draft, depth=self.tree_depth, adaptive=False, verifier="on",
+                                    budget=max(base.tree_budget, base.tree_width * self.tree_depth))
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,9 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
     """Labelled draft nodes from running the lossless loop on `prompts` (cached per set, drafter and engines)."""
     from tqdm import tqdm
 
-    key = f"{prompts}|{cfg.draft}|{cfg.limit}|{cfg.max_new_tokens}|{rt.verifier_layers}|{','.join(FEATURES)}"
+    spec = cfg.spec()
+    shape = f"{spec.tree_width}x{spec.tree_depth}x{spec.tree_budget}"
+    key = f"{prompts}|{cfg.draft}|{shape}|{cfg.limit}|{cfg.max_new_tokens}|{rt.verifier_layers}|{','.join(FEATURES)}"
     digest = hashlib.sha256((key + engines_sha(cfg.engines)).encode()).hexdigest()[:16]
     cache = cfg.engines / "calibration" / f"nodes-{Path(prompts).stem}-{digest}.npz"
     if cache.is_file():
@@ -73,7 +85,6 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
             log(f"{prompts}: {len(z['y'])} labelled nodes from {cache}")
             return NodeSet(z["x"], z["y"], z["depth"])
     rows = load_prompts(prompts, cfg.limit)
-    spec = SpecConfig.for_draft(cfg.draft, adaptive=False, verifier="on")
     xs, ys, ds = [], [], []
 
     def observe(tree, scored, verdict):
@@ -193,9 +204,10 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
     metrics = per_depth(head, test_nodes)
     head = ConfidenceHead(head.weights, head.bias, head.mean, head.scale, head.verifier_layers,
                           {**head.meta, "heldout": heldout, "per_depth": metrics})
-    plot = cfg.plot or cfg.engines / "calibration" / "reliability.png"
+    plot = cfg.plot or cfg.engines / "calibration" / head_file(cfg.draft).replace("confidence_head", "reliability"
+                                                                               ).replace(".json", ".png")
     reliability_plot(head, test_nodes, f"fit on {cfg.prompts}, held out: {heldout}", plot)
-    head_path = head.save(cfg.engines / HEAD_FILE)
+    head_path = head.save(cfg.engines / head_file(cfg.draft))
     log(f"saved {head_path}; reliability diagram {plot}")
     return CalibrationReport(head, metrics, heldout, plot, head_path)
 
