@@ -1,4 +1,5 @@
-"""Benchmark plumbing: arm names, and the summary's token accounting and lossless check on hand-made records."""
+"""Benchmark plumbing: arm names, the summary's token accounting and lossless check on hand-made records, and the
+speedup ceiling a draft's cost sets."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import json
 import pytest
 
 from bench.arms import parse_arm
+from bench.costs import ceiling
 from bench.run import summarize
 from spork_trt.errors import UserError
 
@@ -116,3 +118,13 @@ def test_gate_arms_are_lossy_and_report_renders(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(UserError, match="generated block"):
         splice(readme, "x")
+
+
+def test_draft_cost_ceiling():
+    """(M + 1) target(1) / (M draft(1) + target(M + 1)), best over the measured chain lengths; never above
+    target(1) / draft(1), and a free draft is limited by the target's own cost growth."""
+    target = {1: 27.0, 4: 31.0, 8: 36.0}
+    assert ceiling(target, 16.8) == (round(8 * 27.0 / (7 * 16.8 + 36.0), 2), 7)
+    for d1 in (16.8, 13.3, 5.0, 1.0):
+        assert ceiling(target, d1)[0] < 27.0 / d1
+    assert ceiling(target, 0.0) == (round(8 * 27.0 / 36.0, 2), 7)
