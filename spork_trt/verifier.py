@@ -81,13 +81,14 @@ def head_file(draft: str) -> str:
 
 def load_heads(d: Path, verifier_layers: int) -> dict[str, ConfidenceHead]:
     """Every head calibrated for the build in `d`, by drafter (an older single `confidence_head.json` included)."""
-    heads = {}
-    for f in sorted(d.glob(HEAD_GLOB)):
+    heads: dict[str, ConfidenceHead] = {}
+    for f in sorted(d.glob(HEAD_GLOB)):  # confidence_head-*.json sort before an older confidence_head.json
         head = ConfidenceHead.load(f)
+        draft = head.meta.get("draft", "ngram")
         if head.verifier_layers != verifier_layers:
             raise UserError(f"{f} was calibrated for a {head.verifier_layers}-layer verifier, this build has "
-                            f"{verifier_layers}: rerun `python -m export calibrate --engines {d}`")
-        heads[head.meta.get("draft", "ngram")] = head
+                            f"{verifier_layers}: rerun `python -m export calibrate --engines {d} --draft {draft}`")
+        heads.setdefault(draft, head)  # a per-drafter file wins over an older single one
     return heads
 
 

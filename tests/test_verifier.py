@@ -139,6 +139,8 @@ def test_heads_are_kept_per_drafter(tmp_path):
     head({}, 3.0, 4).save(tmp_path / "confidence_head.json")  # no meta: written before heads were per drafter
     heads = load_heads(tmp_path, 4)
     assert {k: h.bias for k, h in heads.items()} == {"self-int8": 1.0, "early-exit:8": 2.0, "ngram": 3.0}
+    ConfidenceHead((0.0,) * F, 4.0, (0.0,) * F, (1.0,) * F, 4, {"draft": "ngram"}).save(tmp_path / head_file("ngram"))
+    assert load_heads(tmp_path, 4)["ngram"].bias == 4.0  # the per-drafter file wins over the older single one
     with pytest.raises(UserError, match="4-layer verifier, this build has 8"):
         load_heads(tmp_path, 8)
 
