@@ -72,7 +72,8 @@ def log(msg: str) -> None:
 
 
 def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeSet:
-    """Labelled draft nodes from running the lossless loop on `prompts` (cached per set, drafter and engines)."""
+    """Labelled draft nodes from running the lossless loop on `prompts` (cached per set, drafter, tree shape and
+    engines)."""
     from tqdm import tqdm
 
     spec = cfg.spec()
@@ -204,8 +205,8 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
     metrics = per_depth(head, test_nodes)
     head = ConfidenceHead(head.weights, head.bias, head.mean, head.scale, head.verifier_layers,
                           {**head.meta, "heldout": heldout, "per_depth": metrics})
-    plot = cfg.plot or cfg.engines / "calibration" / head_file(cfg.draft).replace("confidence_head", "reliability"
-                                                                               ).replace(".json", ".png")
+    tag = head_file(cfg.draft).removeprefix("confidence_head").removesuffix(".json")  # "-ngram", "-self-int8", ...
+    plot = cfg.plot or cfg.engines / "calibration" / f"reliability{tag}.png"
     reliability_plot(head, test_nodes, f"fit on {cfg.prompts}, held out: {heldout}", plot)
     head_path = head.save(cfg.engines / head_file(cfg.draft))
     log(f"saved {head_path}; reliability diagram {plot}")
