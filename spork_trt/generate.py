@@ -69,7 +69,8 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
         proposed = drafter.propose(root, sched.shape()) if speculate else DraftTree.root_only(root)
         t_score = time.perf_counter()
         scoring = speculate and sched.use_verifier(can_score)
-        scored = verifier.score(target, behind, proposed, sched.recent) if scoring else None
+        scored = verifier.score(target, behind, proposed, sched.recent, [*prompt_ids, *stop.tokens],
+                                len(prompt_ids)) if scoring else None
         gated = gate_path(proposed, scored, spec.gate_tau) if spec.gate_tau > 0 and scored else []
         t_verify = time.perf_counter()
         if gated:  # lossy gate mode: the verifier alone accepts; the target runs these tokens in its next pass

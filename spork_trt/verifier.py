@@ -7,7 +7,8 @@ are already there; the rows it writes for the tree are dropped right after (the 
 Per draft node i (parent p) the head sees features of the verifier's distribution at p (the log probability of
 i's token, of the verifier's own top token, the entropy, whether i's token is the top one, its rank), the
 drafter's own score of i, the verifier's log probability of p's token, how many draft tokens this request's recent
-steps had accepted, and the tree (depth, sibling rank); it returns confidence = P(node accepted | parent
+steps had accepted, the tree (depth, sibling rank) and whether i's path repeats the request's context
+(`repetition.py`); it returns confidence = P(node accepted | parent
 accepted), a logistic regression fitted by `python -m export calibrate` on real verdicts of the target. Path
 survival = product of confidences along the path (root 1.0); it never grows with depth, so pruning at a threshold
 keeps every kept node's parent.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,13 +30,14 @@ import numpy as np
 import torch
 
 from .errors import UserError
+from .repetition import REPETITION, repetition
 from .tree import DraftTree, compile_tree
 
 HEAD_GLOB = "confidence_head*.json"
 MAX_DEPTH = 6  # depth one-hot: 1..5 and 6+
 MAX_RANK = 3  # sibling rank one-hot: 0, 1, 2+
 FEATURES = ("logp", "top_logp", "entropy", "is_top", "log_rank", "draft_score", "parent_logp", "recent_accepted",
-            *(f"depth_{d}" for d in range(1, MAX_DEPTH + 1)), *(f"rank_{r}" for r in range(MAX_RANK)))
+            *(f"depth_{d}" for d in range(1, MAX_DEPTH + 1)), *(f"rank_{r}" for r in range(MAX_RANK)), *REPETITION)
 
 
 @dataclass(frozen=True)
@@ -132,16 +135,21 @@ class Verifier:
         target.cache.commit([])
         return logits
 
-    def score(self, target, behind: list[int], tree: DraftTree, recent: float = 0.0) -> Scored:
+    def score(self, target, behind: list[int], tree: DraftTree, recent: float = 0.0, context: Sequence[int] = (),
+              prompt_len: int = 0) -> Scored:
         """Features (and, with a head, confidences) of every node of `tree`, which follows the target's committed
         rows and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
-        tokens accepted per step lately (the scheduler's moving average)."""
+        tokens accepted per step lately (the scheduler's moving average); `context`: the request's tokens so far
+        (its first `prompt_len` the prompt), ending with the tree's root (empty: the root alone)."""
         full = tree.after(behind)
         buf = compile_tree(full.parents, target.length)
         logits = self.forward(target, torch.tensor([full.tokens]), buf.position_ids, buf.mask)[0]  # [B+N, V]
         b = len(behind)
         depth = tuple(d - b for d in buf.depth[b:])
+        ctx = np.asarray(context if len(context) else tree.tokens[:1])
+        assert ctx[-1] == tree.tokens[0], "the context ends with the tree's root"
         x = node_features(tree, logits[b:], depth, recent)
+        x[:, -len(REPETITION):] = repetition(ctx, prompt_len, tree)
         conf = surv = None
         if self.head is not None:
             conf = np.concatenate([[1.0], self.head(x[1:])]) if len(tree) > 1 else np.ones(1)
@@ -150,7 +158,8 @@ class Verifier:
 
 
 def node_features(tree: DraftTree, logits: torch.Tensor, depth: tuple[int, ...], recent: float) -> np.ndarray:
-    """logits [N, V] of the verifier at every node, depth [N] (root 0) -> features [N, F] (row 0 zeros)."""
+    """logits [N, V] of the verifier at every node, depth [N] (root 0) -> features [N, F] (row 0 zeros; the
+    REPETITION columns are left to `repetition`)."""
     n = len(tree)
     x = np.zeros((n, len(FEATURES)), dtype=np.float64)
     if n == 1:

@@ -37,7 +37,8 @@ def test_calibrate_reports_per_depth_metrics_and_saves_the_head(calibrated):
     d, out = calibrated
     assert out["heldout"] == "humaneval" and out["per_depth"][0]["depth"] == 1
     for m in out["per_depth"]:
-        assert set(m) >= {"depth", "n", "ece", "auroc", "brier"} and m["n"] > 0 and 0 <= m["ece"] <= 1
+        assert set(m) >= {"depth", "n", "ece", "ece_floor", "auroc", "brier"} and m["n"] > 0 and 0 <= m["ece"] <= 1
+        assert 0 <= m["ece_floor"] < 0.5
     head = json.loads((d / head_file("ngram")).read_text())
     assert head["verifier_layers"] == 8 and head["meta"]["heldout"] == "humaneval" and head["meta"]["draft"] == "ngram"
     assert (d / "calibration" / "reliability-ngram.png").stat().st_size > 1000

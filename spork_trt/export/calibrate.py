@@ -127,6 +127,14 @@ def ece(p: np.ndarray, y: np.ndarray, bins: int = BINS) -> float:
                      for b in range(bins) if (idx == b).any()))
 
 
+def ece_floor(p: np.ndarray, draws: int = 200, bins: int = BINS) -> float:
+    """The ECE a perfectly calibrated head would still show on this many nodes: the mean ECE of `draws` label sets
+    drawn with P(accepted) = p exactly (seeded, so reports are reproducible). ECE near it is sampling noise; a few
+    hundred nodes per depth put it at 0.04-0.06."""
+    rng = np.random.default_rng(0)
+    return float(np.mean([ece(p, (rng.random(len(p)) < p).astype(float), bins) for _ in range(draws)]))
+
+
 def auroc(p: np.ndarray, y: np.ndarray) -> float | None:
     """Probability that an accepted node scores above a rejected one (ties count half); None without both."""
     pos, neg = int(y.sum()), int(len(y) - y.sum())
@@ -154,7 +162,8 @@ def per_depth(head: ConfidenceHead, nodes: NodeSet) -> list[dict]:
             continue
         a = auroc(p[sel], nodes.y[sel])
         out.append({"depth": d, "n": int(sel.sum()), "accepted": int(nodes.y[sel].sum()),
-                    "ece": round(ece(p[sel], nodes.y[sel]), 4), "auroc": None if a is None else round(a, 4),
+                    "ece": round(ece(p[sel], nodes.y[sel]), 4), "ece_floor": round(ece_floor(p[sel]), 4),
+                    "auroc": None if a is None else round(a, 4),
                     "brier": round(float(((p[sel] - nodes.y[sel]) ** 2).mean()), 4)})
     return out
 
@@ -215,8 +224,10 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
 
 def table(report: CalibrationReport) -> str:
     lines = [f"held out: {report.heldout}; fitted on {report.head.meta['fitted_on']}",
-             "depth      n  accepted    ECE  AUROC  Brier"]
+             "depth      n  accepted    ECE  (floor)  AUROC  Brier"]
     for m in report.per_depth:
         auc = "-" if m["auroc"] is None else f"{m['auroc']:.3f}"
-        lines.append(f"{m['depth']:5d} {m['n']:6d} {m['accepted']:9d} {m['ece']:6.3f} {auc:>6} {m['brier']:6.3f}")
+        lines.append(f"{m['depth']:5d} {m['n']:6d} {m['accepted']:9d} {m['ece']:6.3f}  ({m['ece_floor']:.3f})"
+                     f" {auc:>6} {m['brier']:6.3f}")
+    lines.append("(floor: the ECE a perfectly calibrated head would show on this many nodes, from sampling alone)")
     return "\n".join(lines)
