@@ -31,7 +31,7 @@ class CalibrateConfig:
     engines: Path = Path("engines/default")
     prompts: str = "mt_bench"  # fitted on
     heldout: str | None = None  # reported on (default: the other built-in set)
-    limit: int = 40  # prompts per set (about 2 minutes each here)
+    limit: int | None = None  # prompts per set (None: all, 80 MT-bench and 164 HumanEval; about 15 minutes here)
     max_new_tokens: int = 128
     draft: str = "ngram"  # the drafter whose trees are scored: the head is saved for it alone
     tree_depth: int | None = None  # draft depth while collecting (default: the drafter's own shape)
@@ -52,6 +52,7 @@ class NodeSet:
     x: np.ndarray  # [N, F] features
     y: np.ndarray  # [N] 1.0 when the target accepted the node
     depth: np.ndarray  # [N]
+    n_prompts: int  # prompts they came from
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,15 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
     engines)."""
     from tqdm import tqdm
 
-    spec = cfg.spec()
+    spec, rows = cfg.spec(), load_prompts(prompts, cfg.limit)
     shape = f"{spec.tree_width}x{spec.tree_depth}x{spec.tree_budget}"
-    key = f"{prompts}|{cfg.draft}|{shape}|{cfg.limit}|{cfg.max_new_tokens}|{rt.verifier_layers}|{','.join(FEATURES)}"
+    key = f"{prompts}|{cfg.draft}|{shape}|{len(rows)}|{cfg.max_new_tokens}|{rt.verifier_layers}|{','.join(FEATURES)}"
     digest = hashlib.sha256((key + engines_sha(cfg.engines)).encode()).hexdigest()[:16]
     cache = cfg.engines / "calibration" / f"nodes-{Path(prompts).stem}-{digest}.npz"
     if cache.is_file():
         with np.load(cache, allow_pickle=False) as z:
             log(f"{prompts}: {len(z['y'])} labelled nodes from {cache}")
-            return NodeSet(z["x"], z["y"], z["depth"])
-    rows = load_prompts(prompts, cfg.limit)
+            return NodeSet(z["x"], z["y"], z["depth"], len(rows))
     xs, ys, ds = [], [], []
 
     def observe(tree, scored, verdict):
@@ -105,7 +105,7 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
                  spec=spec, verifier=verifier, observe=observe)
     if not ys:
         raise UserError(f"the {cfg.draft} drafter proposed nothing on {prompts}: calibrate with more prompts")
-    nodes = NodeSet(np.array(xs), np.array(ys), np.array(ds))
+    nodes = NodeSet(np.array(xs), np.array(ys), np.array(ds), len(rows))
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.savez(cache, x=nodes.x, y=nodes.y, depth=nodes.depth)
     log(f"{prompts}: {len(ys)} labelled nodes ({int(nodes.y.sum())} accepted), cached in {cache}")
@@ -205,11 +205,11 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
         raise UserError("--heldout must differ from --prompts: metrics on the fitting prompts say little")
     rt = Runtime.from_engines(cfg.engines, load_head=False)  # an old head may be stale: it is being replaced
     verifier = rt.verifier()  # headless: the runtime was loaded without one
-    log(f"{rt.verifier_layers}-layer verifier, {cfg.draft} drafter, {cfg.limit} prompts x "
+    log(f"{rt.verifier_layers}-layer verifier, {cfg.draft} drafter, {cfg.limit or 'all'} prompts x "
         f"{cfg.max_new_tokens} tokens per set")
     fit_nodes = collect(rt, cfg.prompts, cfg, verifier)
     test_nodes = collect(rt, heldout, cfg, verifier)
-    fitted_on = f"{cfg.prompts} ({cfg.limit} prompts x {cfg.max_new_tokens} tokens, {cfg.draft} drafter)"
+    fitted_on = f"{cfg.prompts} ({fit_nodes.n_prompts} prompts x {cfg.max_new_tokens} tokens, {cfg.draft} drafter)"
     head = fit_head(fit_nodes.x, fit_nodes.y, rt.verifier_layers, meta={"fitted_on": fitted_on, "draft": cfg.draft})
     metrics = per_depth(head, test_nodes)
     head = ConfidenceHead(head.weights, head.bias, head.mean, head.scale, head.verifier_layers,
