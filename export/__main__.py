@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 def calibrate(a) -> int:
     from spork_trt.export.calibrate import CalibrateConfig, calibrate, table
 
-    if (a.limit is not None and a.limit <= 0) or a.max_new_tokens <= 0 or (a.tree_depth or 1) <= 0:
+    if any(v is not None and v <= 0 for v in (a.limit, a.max_new_tokens, a.tree_depth)):
         raise UserError("--limit, --max-new-tokens and --tree-depth must be positive")
     report = calibrate(CalibrateConfig(Path(a.engines), a.prompts, a.heldout, a.limit, a.max_new_tokens, a.draft,
                                        a.tree_depth, Path(a.plot) if a.plot else None))

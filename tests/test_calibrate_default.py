@@ -84,3 +84,10 @@ def test_gate_and_forced_verifier_need_a_head(default_engines):
     assert r.returncode == 2 and "export calibrate" in r.stderr and "Traceback" not in r.stderr
     r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate")
     assert r.returncode == 2 and "--tau" in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--limit", "--max-new-tokens", "--tree-depth"])
+def test_calibrate_refuses_non_positive_sizes(default_engines, flag):
+    r = cli("-m", "export", "calibrate", "--engines", str(default_engines), flag, "0")
+    assert r.returncode == 2 and "must be positive" in r.stderr and "Traceback" not in r.stderr
+    assert not list(default_engines.glob(HEAD_GLOB))  # nothing written
