@@ -10,7 +10,8 @@ occurrences of "the context's last token, then i's path" in the context:
     lies in the prompt;
   - rep_prob, rep_count, rep_parent_count: n-gram statistics at n = min(rep_len, NGRAM): of the occurrences of
     the context's last n tokens then i's parent's path, how many continue with i's token.
-All numpy over the context (a few hundred to a few thousand tokens): well under a millisecond per tree.
+All numpy over the context: at most about a millisecond per tree (0.9 ms for 13 nodes on a 950-token context
+that repeats 150 tokens, 2 CPU cores), next to the verifier's own 11-19 ms.
 """
 from __future__ import annotations
 

@@ -8,10 +8,9 @@ Per draft node i (parent p) the head sees features of the verifier's distributio
 i's token, of the verifier's own top token, the entropy, whether i's token is the top one, its rank), the
 drafter's own score of i, the verifier's log probability of p's token, how many draft tokens this request's recent
 steps had accepted, the tree (depth, sibling rank) and whether i's path repeats the request's context
-(`repetition.py`); it returns confidence = P(node accepted | parent
-accepted), a logistic regression fitted by `python -m export calibrate` on real verdicts of the target. Path
-survival = product of confidences along the path (root 1.0); it never grows with depth, so pruning at a threshold
-keeps every kept node's parent.
+(`repetition.py`); it returns confidence = P(node accepted | parent accepted), a logistic regression fitted by
+`python -m export calibrate` on real verdicts of the target. Path survival = product of confidences along the path
+(root 1.0); it never grows with depth, so pruning at a threshold keeps every kept node's parent.
 
 The head is stored as JSON (weights, feature standardization, fit metadata): no pickle is ever loaded. A head
 belongs to the drafter it was fitted on (the drafter's own score is a feature, and what it means differs: a
