@@ -41,16 +41,15 @@ def suffix_match(ctx: np.ndarray) -> np.ndarray:
     return length
 
 
-def repetition(ctx: np.ndarray, prompt_len: int, tree: DraftTree) -> np.ndarray:
-    """ctx [L]: the request's tokens so far, ending with the tree's root -> [N, len(REPETITION)] (row 0 zeros)."""
+def repetition(ctx: np.ndarray, prompt_len: int, tree: DraftTree, depth: tuple[int, ...]) -> np.ndarray:
+    """ctx [L]: the request's tokens so far, ending with the tree's root; depth [N] (root 0) -> [N, len(REPETITION)]
+    (row 0 zeros)."""
     out = np.zeros((len(tree), len(REPETITION)))
     last = len(ctx) - 1
     match = suffix_match(ctx)  # [L-1]
     occ = {0: np.nonzero(match >= 1)[0]}  # node -> positions j whose continuation ctx[j+1..] is its path
-    depth = [0] * len(tree)
     for i in range(1, len(tree)):
-        p = tree.parents[i]
-        depth[i] = d = depth[p] + 1
+        p, d = tree.parents[i], depth[i]
         room = occ[p][occ[p] + d <= last]  # the parent's occurrences with a token at depth d
         occ[i] = j = room[ctx[room + d] == tree.tokens[i]]
         if len(j) == 0:

@@ -148,7 +148,7 @@ class Verifier:
         ctx = np.asarray(context if len(context) else tree.tokens[:1])
         assert ctx[-1] == tree.tokens[0], "the context ends with the tree's root"
         x = node_features(tree, logits[b:], depth, recent)
-        x[:, -len(REPETITION):] = repetition(ctx, prompt_len, tree)
+        x[:, -len(REPETITION):] = repetition(ctx, prompt_len, tree, depth)
         conf = surv = None
         if self.head is not None:
             conf = np.concatenate([[1.0], self.head(x[1:])]) if len(tree) > 1 else np.ones(1)

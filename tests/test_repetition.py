@@ -24,7 +24,7 @@ def test_repetition_of_each_node_path():
     ctx = np.array([1, 2, 3, 4, 5, 8, 2, 3, 4, 6, 2, 3])
     # root 3 -> 4 (seen twice after "2 3") -> 5 (once, in the prompt) | 6 (once, generated); root -> 7 (never)
     tree = DraftTree((3, 4, 5, 6, 7), (-1, 0, 1, 1, 0))
-    x = repetition(ctx, 5, tree)
+    x = repetition(ctx, 5, tree, (0, 1, 2, 2, 1))
     assert x.shape == (5, len(REPETITION)) and not x[0].any() and not x[4].any()
     # node 1 "4": after "... 2 3" at positions 2 and 7; both match the context's end for 2 tokens ("2 3")
     assert x[1, COL["rep_len"]] == pytest.approx(math.log1p(2))
