@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   python -m export inspect engines/default
   python -m export triton                                 # engines/default/triton_repo (cpu profile)
   python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
+  python -m export triton --slots 32 --max-context 1024   # 32 requests per batch, smaller KV pool
   python -m export calibrate                              # fit on all of mt_bench, report on all of humaneval
   python -m export calibrate --prompts humaneval --json   # the reverse direction (collected nodes are reused)
   python -m export calibrate --limit 40                   # the first 40 prompts of each set: quicker, noisier
@@ -57,13 +58,22 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
     t.add_argument("--profile", choices=["cpu", "gpu"], default="cpu",
                    help="cpu: ONNX Runtime CPU; gpu: TensorRT/CUDA execution providers, KIND_GPU (unverified)")
-    t.add_argument("--instances", type=int, default=1, help="spork model instances (default: %(default)s)")
-    t.add_argument("--max-concurrency", type=int, default=8,
-                   help="requests one spork instance runs at once, each on its own KV cache (default: %(default)s)")
+    from spork_trt.triton_repo import RepoConfig
+
+    t.add_argument("--instances", type=int, default=RepoConfig.instances,
+                   help="spork model instances, each one engine core over its own KV pool (default: %(default)s)")
+    t.add_argument("--slots", type=int, default=RepoConfig.slots,
+                   help="requests one instance decodes together (KV pool slots; default: %(default)s)")
+    t.add_argument("--max-context", type=int, default=RepoConfig.max_context,
+                   help="positions a request may use, prompt + max_tokens (sizes the pool; default: the model's "
+                        "context window)")
+    t.add_argument("--max-queue", type=int, default=RepoConfig.max_queue,
+                   help="requests waiting for a slot per instance; more are answered UNAVAILABLE (default: "
+                        "%(default)s)")
+    t.add_argument("--unary-instances", type=int, default=RepoConfig.unary_instances,
+                   help="spork_unary instances (no engines: they call spork), unary requests served at once "
+                        "(default: %(default)s)")
     t.add_argument("--draft", default="ngram", help="the drafter the server uses (default: %(default)s)")
-    t.add_argument("--spec-max-active", type=int, default=None,
-                   help="speculate while at most N requests run on an instance, plain steps above (0: at any load; "
-                        "default: 1 on the cpu profile, where one request already takes every core; 0 on gpu)")
     c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from spork_trt.export.calibrate import CalibrateConfig
@@ -99,8 +109,8 @@ def calibrate(a) -> int:
 def triton(a) -> int:
     from spork_trt.triton_repo import RepoConfig, render
 
-    repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances,
-                             a.max_concurrency, a.draft, a.spec_max_active))
+    repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances, a.slots,
+                             a.draft, a.max_context, a.max_queue, a.unary_instances))
     print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
     return 0
 

@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """Something the user can fix; the message says what is wrong and how to fix it."""
+
+
+class QueueFull(Exception):
+    """Every slot is in use and the wait queue is full: the server answers 'unavailable, retry later'."""

@@ -73,6 +73,13 @@ class KVCache(Rows):
         shape = (layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         super().__init__(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), axis=3)
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over existing [L, 1, Hkv, Smax, D] buffers (one slot of a pool: a view, nothing copied)."""
+        cache = cls.__new__(cls)
+        Rows.__init__(cache, k, v, axis=3)
+        return cache
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] after the pending rows; return views [B, Hkv, S, D], S = length + pending + T.
         Every layer of one forward writes the same rows; the engine calls `written(T)` after the forward."""
@@ -84,3 +91,36 @@ class KVCache(Rows):
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class KVPool:
+    """One preallocated KV buffer pair for `slots` sequences, allocated once and never reallocated (fixed
+    addresses). Slot s is a cache of the engine's own kind over a view of the buffers (`caches[s]`), so every
+    per-sequence operation (forward, commit, truncate, adopt) works on a slot unchanged. Requests take and give
+    back slots; a slot given back is rolled back to length 0."""
+
+    def __init__(self, caches: list[Rows]) -> None:
+        self.caches = caches  # [slots] views into one buffer pair
+        self.free = list(range(len(caches)))[::-1]  # pop() hands out the lowest slot first
+
+    @property
+    def slots(self) -> int:
+        return len(self.caches)
+
+    @property
+    def max_len(self) -> int:
+        return self.caches[0].max_len
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self.free)
+
+    def take(self) -> int | None:
+        """A free slot's index, or None when every slot is in use."""
+        return self.free.pop() if self.free else None
+
+    def give_back(self, slot: int) -> None:
+        assert slot not in self.free and 0 <= slot < self.slots, slot
+        self.caches[slot].truncate(0)
+        self.free.append(slot)
+        self.free.sort(reverse=True)

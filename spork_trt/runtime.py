@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .core import Request
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import UserError
-from .generate import GenerationResult, OnTokens, generate
+from .generate import GenerationResult, OnTokens, run_alone
 from .sampling import make_generator
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer
@@ -112,16 +113,6 @@ class Runtime:
                 self.draft_engines[name] = self.build_draft_engine(*parse_draft(name, self.cfg.n_layers))
             return self.draft_engines[name]
 
-    def fork(self) -> Runtime:
-        """A runtime for one concurrent request: the same weights and sessions, its own KV caches."""
-        parent = self
-
-        def draft_engine(kind: str, arg: str):
-            return parent.draft_engine(f"{kind}:{arg}" if arg else kind).fresh()
-
-        return Runtime(self.cfg, self.tokenizer, self.engine.fresh(), draft_engine, self.backend,
-                       self.verifier_layers, self.heads)
-
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
         """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`."""
         return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head)
@@ -134,19 +125,25 @@ class Runtime:
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
-        return ModelDrafter(self.draft_engine(name), sampling, make_generator(seed),
+        return ModelDrafter(self.draft_engine(name).fresh(), sampling, make_generator(seed),
                             share_prompt=kind in (*SELF_DRAFTS, "early-exit"))
 
-    def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                 spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
-                 stats: Stats | None = None, busy: Callable[[], bool] | None = None) -> GenerationResult:
+    def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
+                spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> Request:
+        """One request for the engine core, with its own drafter and verifier (over the shared weights)."""
         assert mode in MODES, mode
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
         check_verifier(mode, spec, cfg, head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
-        return generate(self.engine, prompt_ids, cfg, self.tokenizer.eos_ids, self.tokenizer.decode, on_tokens,
-                        drafter, spec, stats, self.verifier(head) if scoring else None, busy=busy)
+        return Request(list(prompt_ids), cfg, self.tokenizer.eos_ids, spec, drafter,
+                       self.verifier(head) if scoring else None, self.tokenizer.decode, stats=stats or Stats())
+
+    def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
+                 spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
+                 stats: Stats | None = None) -> GenerationResult:
+        """One request alone (the engine core with a batch of one)."""
+        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec, stats), on_tokens)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:

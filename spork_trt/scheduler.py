@@ -1,16 +1,17 @@
 """When and how much to speculate: the cost-aware scheduler and the three recovery levels.
 
 Scores (cheap, online, per request): P(node accepted | parent accepted) per (depth, sibling rank), kept as decayed
-counts of the target's verdicts; a node's path survival is the product along its path. Costs: moving averages
-of the real target verify time by tree size (power-of-two buckets) and of tokens per second of speculative and
-plain steps. Each step:
-  - prune (greedy only): keep the most likely nodes (sorted by path survival, so every kept node's parent is kept)
-    while expected committed tokens per second of verify time grows; keeping none is a plain step;
+counts of the target's verdicts; a node's path survival is the product along its path. Costs: the engine core's
+CostModel (seconds of a target forward by the tokens it runs, all requests together) and moving averages of tokens
+per second of speculative and plain steps. Each step:
+  - prune (greedy only): each request offers its nodes most likely first (`candidates`: sorted by path survival, so
+    every node's parent comes first); `allot` takes nodes across ALL requests of the step while expected committed
+    tokens per second of the one target forward grows (goodput): at low load deep trees, at high load the marginal
+    node must beat a whole batch's cost, so trees shrink toward plain per request, never wholesale. Keeping none
+    is a plain step;
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again;
-  - load (serving): while `busy()` says the host's compute is taken by other requests, steps are plain: a tree
-    verify costs more compute than the one token it replaces, so under saturation it lowers throughput.
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -25,13 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .config import SpecConfig
+from .cost_model import CostModel, ema
 from .tree import DraftTree
 from .verify import Verdict
 
 DECAY = 0.97  # weight of history per observation (recent text matters most)
 PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
-EMA = 0.2
-COST_SLOPE = 0.05  # prior cost of a tree of T nodes: cost(1) * (1 + slope * (T - 1)), until measured
 TAU_BOUNDS = (0.002, 0.9)
 TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured acceptance) per scored step
 FIRST_PROBE = 4  # speculative steps before "auto" first tries the verifier
@@ -39,24 +39,52 @@ PROBE_EVERY = 16  # speculative steps between probes of a verifier switched off 
 PROBE_MAX = 256
 
 
-def bucket(n: int) -> int:
-    return (n - 1).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
+@dataclass(frozen=True)
+class Candidates:
+    """One request's draft nodes in the order an allotment may take them (most likely first; a node's parent comes
+    before it) with each one's path survival. `fixed`: every node is verified (the fixed shape, sampling)."""
+
+    order: tuple[int, ...]  # [K] node indices, the root excluded
+    survival: tuple[float, ...]  # [K]
+    fixed: bool = False
+
+    def keep(self, count: int) -> list[int]:
+        """The root and the first `count` candidates, ascending (ancestor-closed)."""
+        return sorted([0, *self.order[:count]])
 
 
-def ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
+def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: int | None = None) -> list[int]:
+    """How many of each request's candidates one target forward verifies: nodes are taken most likely first across
+    all requests while expected committed tokens per second of the forward grows, within `max_tokens` tokens.
+    Every request commits its bonus token (its root is one token of the forward)."""
+    counts = [len(c.order) if c.fixed else 0 for c in cands]
+    tokens = len(cands) + sum(counts)
+    gain = len(cands) + sum(sum(c.survival) for c in cands if c.fixed)
+    queue = sorted((-s, r, j) for r, c in enumerate(cands) if not c.fixed for j, s in enumerate(c.survival))
+    best, best_m = gain / seconds(tokens), 0
+    for m, (neg, _, _) in enumerate(queue, start=1):
+        if max_tokens is not None and tokens + m > max_tokens:
+            break
+        gain -= neg
+        value = gain / seconds(tokens + m)
+        if value > best:
+            best, best_m = value, m
+    for _, r, _ in queue[:best_m]:  # a request's candidates are ranked in its own order: each gets a prefix
+        counts[r] += 1
+    return counts
 
 
 @dataclass
 class Scheduler:
     spec: SpecConfig
+    greedy: bool = True  # sampling: no timing-driven decisions (see record)
     depth: int = 0  # current draft depth (level 2)
     failures: int = 0  # consecutive speculative steps with nothing accepted
     cooling: int = 0  # plain steps left before probing again
     fallbacks: int = 0  # times speculation was switched off
     pruned: int = 0  # draft nodes dropped before verification
     odds: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, rank) -> [accepted, seen]
-    cost: dict[int, float] = field(default_factory=dict)  # tree-size bucket -> verify seconds
+    costs: CostModel = field(default_factory=CostModel)  # target forward seconds by tokens (the core's, shared)
     rate: dict[bool, float] = field(default_factory=dict)  # speculated? -> committed tokens per second
     tau: float = 0.0  # pruning threshold on the verifier's path survival
     verifier_on: bool = False  # "auto" only: the verifier currently pays for itself
@@ -67,8 +95,6 @@ class Scheduler:
     score_saving: float | None = None  # target verify seconds its pruning saves per call (cost model)
     baseline_n: int = 0  # nodes the (depth, rank) pruning alone would have verified this step
     recent: float = 0.0  # draft tokens accepted per speculative step, moving average (a verifier feature)
-    busy: Callable[[], bool] | None = None  # serving: True while other requests take the compute (plain steps)
-    busy_steps: int = 0  # steps decoded plainly because of `busy`
 
     def __post_init__(self) -> None:
         self.depth, self.tau = self.spec.tree_depth, self.spec.tau
@@ -79,9 +105,6 @@ class Scheduler:
         return self.spec.adaptive
 
     def speculate(self) -> bool:
-        if self.busy is not None and self.busy():
-            self.busy_steps += 1
-            return False
         return self.cooling == 0
 
     def shape(self) -> SpecConfig:
@@ -103,52 +126,40 @@ class Scheduler:
         a, n = self.odds.get((depth, rank), (0.0, 0.0))
         return (a + PRIOR[0]) / (n + PRIOR[1])
 
-    def verify_cost(self, n: int) -> float:
-        b = bucket(n)
-        if b in self.cost:
-            return self.cost[b]
-        if 0 in self.cost:
-            base = self.cost[0]
-        else:  # no plain step measured yet: infer one from any measured size (relative costs are what matter)
-            base = min((c / (1 + COST_SLOPE * (2**k - 1)) for k, c in self.cost.items()), default=1.0)
-        return base * (1 + COST_SLOPE * (n - 1))
+    def candidates(self, tree: DraftTree, greedy: bool, survival=None) -> Candidates:
+        """The tree's draft nodes, most likely first, for `allot`. `survival` [N]: the verifier's path survival,
+        when it scored this step (nodes below tau are dropped first)."""
+        everything = tuple(range(1, len(tree)))
+        if not greedy or len(tree) == 1 or not self.adaptive and survival is None:
+            return Candidates(everything, (1.0,) * len(everything), fixed=True)  # sampling: the proposals depend
+        if survival is None:  # on every drawn sibling, so it keeps them all
+            return ranked(self.odds_survival(tree), everything)
+        self.baseline_n = (1 + self.allot_alone(ranked(self.odds_survival(tree), everything))[0] if self.adaptive
+                           else len(tree))
+        kept = tuple(i for i in everything if survival[i] >= self.tau)
+        return ranked([float(survival[i]) for i in range(len(tree))], kept, fixed=not self.adaptive)
 
-    def prune(self, tree: DraftTree, greedy: bool, survival=None) -> list[int]:
-        """Node indices to verify (ascending, root first, ancestor-closed). `survival` [N]: the verifier's path
-        survival, when it scored this step."""
-        if not greedy or len(tree) == 1:
-            return list(range(len(tree)))  # sampling keeps every drawn sibling: the proposals depend on them
-        everything = list(range(len(tree)))
-        baseline = self.odds_prune(tree) if self.adaptive else everything
-        if survival is None:
-            keep = baseline
-        else:
-            self.baseline_n = len(baseline)
-            keep = [i for i in everything if i == 0 or survival[i] >= self.tau]
-            if self.adaptive:
-                keep = self.best_prefix([float(survival[i]) for i in keep], keep)
-        self.pruned += len(tree) - len(keep)
-        return keep
-
-    def odds_prune(self, tree: DraftTree) -> list[int]:
-        """Pruning by the learned (depth, rank) acceptance odds alone."""
+    def odds_survival(self, tree: DraftTree) -> list[float]:
+        """[N] path survival by the learned (depth, rank) acceptance odds alone."""
         depth, rank = features(tree)
         odds = [1.0]
         for i in range(1, len(tree)):
             odds.append(odds[tree.parents[i]] * self.p_accept(depth[i], rank[i]))
-        return self.best_prefix(odds, list(range(len(tree))))
+        return odds
 
-    def best_prefix(self, survival: list[float], index: list[int]) -> list[int]:
-        """The most likely nodes (`survival`, ancestor-closed, [0] the root) while expected committed tokens per
-        second of verify time grows; returned as `index` entries, ascending."""
-        order = sorted(range(1, len(survival)), key=lambda i: (-survival[i], i))
-        best_n, best, gain = 0, 1.0 / self.verify_cost(1), 1.0
-        for n, i in enumerate(order, start=1):
-            gain += survival[i]
-            value = gain / self.verify_cost(n + 1)
-            if value > best:
-                best_n, best = n, value
-        return sorted(index[i] for i in [0, *order[:best_n]])
+    def allot_alone(self, cands: Candidates) -> list[int]:
+        return allot([cands], self.costs.seconds)
+
+    def prune(self, tree: DraftTree, greedy: bool, survival=None) -> list[int]:
+        """Node indices to verify when this request runs alone (ascending, root first, ancestor-closed)."""
+        cands = self.candidates(tree, greedy, survival)
+        return self.kept(tree, cands, self.allot_alone(cands)[0])
+
+    def kept(self, tree: DraftTree, cands: Candidates, count: int) -> list[int]:
+        """The nodes an allotment of `count` keeps; counts the pruned ones."""
+        keep = cands.keep(count)
+        self.pruned += len(tree) - len(keep)
+        return keep
 
     def record(self, tree: DraftTree, verdict: Verdict, speculated: bool, propose_s: float,
                verify_s: float, score_s: float | None = None) -> None:
@@ -156,7 +167,6 @@ class Scheduler:
         n = len(tree)
         if score_s is not None and n > 1:
             self.scored(score_s, len(verdict.accepted) / (n - 1), n)
-        self.cost[bucket(n)] = ema(self.cost.get(bucket(n)), verify_s)
         committed = len(verdict.accepted) + 1
         self.rate[speculated] = ema(self.rate.get(speculated), committed / max(propose_s + verify_s, 1e-9))
         if not speculated:
@@ -172,7 +182,9 @@ class Scheduler:
         self.failures = 0 if accepted else self.failures + 1
         if self.adaptive:
             self.depth = min(self.spec.tree_depth, self.depth * 2) if accepted else max(1, self.depth // 2)
-        slower = self.adaptive and self.rate.get(False, 0.0) > self.rate[True] and n > 1
+        # timing decides only under greedy decoding, where no decision can change the output: a sampled request
+        # draws the same tokens whatever the load (its draws depend on the trees it verified)
+        slower = self.adaptive and self.greedy and self.rate.get(False, 0.0) > self.rate[True] and n > 1
         if self.failures >= self.spec.fail_limit or slower:
             self.failures, self.cooling = 0, self.spec.cooldown
             self.fallbacks += 1
@@ -182,7 +194,7 @@ class Scheduler:
         lo, hi = TAU_BOUNDS
         self.tau = min(hi, max(lo, self.tau + TAU_STEP * (self.spec.target_acceptance - acceptance)))
         self.score_cost = ema(self.score_cost, score_s)
-        saving = max(0.0, self.verify_cost(self.baseline_n) - self.verify_cost(n)) if self.baseline_n else 0.0
+        saving = max(0.0, self.costs.seconds(self.baseline_n) - self.costs.seconds(n)) if self.baseline_n else 0.0
         self.score_saving = ema(self.score_saving, saving)
         if self.spec.verifier != "auto" or self.spec.gate_tau > 0:
             return
@@ -190,6 +202,12 @@ class Scheduler:
         self.verifier_offs += not pays
         self.probe_every = PROBE_EVERY if pays else min(PROBE_MAX, 2 * self.probe_every)
         self.verifier_on, self.probe_in = pays, self.probe_every
+
+
+def ranked(survival: list[float], nodes: tuple[int, ...], fixed: bool = False) -> Candidates:
+    """`nodes` most likely first (ties: lower index, so a parent, never less likely than its child, comes first)."""
+    order = tuple(sorted(nodes, key=lambda i: (-survival[i], i)))
+    return Candidates(order, tuple(survival[i] for i in order), fixed)
 
 
 def features(tree: DraftTree) -> tuple[list[int], list[int]]:

@@ -1,5 +1,5 @@
-"""What the Triton models do, without Triton: validate a request, run the loop on the request's own KV caches,
-stream chunks. `triton_repo/*/model.py` only convert tensors and errors; everything here is tested directly.
+"""What the Triton models do, without Triton: validate a request, hand it to the engine core that steps every
+request together, stream chunks. `triton_repo/*/model.py` only convert tensors and errors; everything here is tested directly.
 
 A request's tensors arrive as numpy arrays with a batch dim of 1 (the models have max_batch_size > 0); an absent
 optional input is None and means the default.
@@ -7,15 +7,18 @@ optional input is None and means the default.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import io_spec
 from .config import GenerateConfig, SamplingConfig, SpecConfig
-from .errors import UserError
+from .core import CoreConfig, EngineCore, Request
+from .cost_model import ema
+from .errors import QueueFull, UserError
 from .runtime import Runtime
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
@@ -23,10 +26,6 @@ from .tokenizer import Tokenizer, load_tokenizer, text_delta
 SERVED_MODES = ("spork", "plain")  # the lossy gate mode is a local, opt-in experiment: never served
 
 Inputs = Mapping[str, "np.ndarray | None"]
-
-
-class Cancelled(Exception):
-    """The client cancelled the request or went away."""
 
 
 @dataclass(frozen=True)
@@ -154,55 +153,171 @@ def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
     return load_tokenizer(engines, "hf", cfg.eos_token_ids)
 
 
-class Service:
-    """The spork step: one shared runtime (weights, sessions); per request a fork with its own caches."""
+@dataclass(eq=False)
+class Ticket:
+    """One served request: the core's request plus how to answer it. `send` gets chunks, `fail` an exception (the
+    final answer), `close` ends a cancelled stream; `cancelled` is polled once per step."""
 
-    def __init__(self, runtime: Runtime, spec: SpecConfig, spec_max_active: int = 0) -> None:
+    request: Request
+    stream: bool
+    send: Callable[[Chunk], None]
+    fail: Callable[[BaseException], None]
+    close: Callable[[], None]
+    cancelled: Callable[[], bool]
+    generated: list[int] = field(default_factory=list)  # every token sent or to send
+    sent: int = 0  # tokens the previous response carried
+
+
+@dataclass
+class Metrics:
+    """What the server exports (Prometheus gauges and counters, see triton_repo/spork/model.py)."""
+
+    active: int = 0  # requests holding a slot
+    queued: int = 0  # requests waiting for one
+    batch_tokens: int = 0  # tokens of the last step's tree forward
+    steps: int = 0  # engine core steps so far
+    generated_tokens: int = 0  # tokens committed, all requests
+    draft_tokens: int = 0  # draft tokens verified, all finished requests
+    accepted_tokens: int = 0  # draft tokens accepted, all finished requests
+    tokens_per_second: float = 0.0  # committed tokens per second over the last steps (moving average)
+
+
+class Service:
+    """The spork step: one engine core over one KV pool, stepped by one thread; requests join the running batch
+    between steps, leave when done or cancelled, and queue (bounded) while every slot is in use."""
+
+    def __init__(self, runtime: Runtime, spec: SpecConfig, core: CoreConfig = CoreConfig(slots=8)) -> None:
         self.runtime, self.spec = runtime, spec
-        self.spec_max_active = spec_max_active  # speculate while at most this many requests run; 0: always
-        self.active = 0  # requests in flight
-        self._lock = threading.Lock()
+        self.core = EngineCore(runtime.engine, runtime.cfg.max_seq_len, core)
+        self.metrics = Metrics()
+        self._inbox: list[Ticket] = []  # submitted, not yet handed to the core (the loop thread owns the core)
+        self._tickets: dict[Request, Ticket] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="spork-core", daemon=True)
+        self._thread.start()
 
     @classmethod
     def load(cls, engines: Path, draft: str = SpecConfig.draft,
-             providers: tuple[str, ...] = ("CPUExecutionProvider",), spec_max_active: int = 0) -> Service:
+             providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8)
+             ) -> Service:
         rt = Runtime.from_engines(engines, providers)
         spec = SpecConfig.for_draft(draft)
         if spec.draft not in ("ngram", "hybrid"):
             rt.draft_engine(spec.draft)  # load it now, not on the first request
-        return cls(rt, spec, spec_max_active)
+        return cls(rt, spec, core)
 
-    def busy(self) -> bool:
-        """More requests in flight than speculation pays for: the compute is taken (plain steps meanwhile)."""
-        return self.active > self.spec_max_active
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet answered."""
+        with self._wake:
+            return len(self._inbox) + len(self._tickets)
+
+    def submit(self, inputs: Inputs, send: Callable[[Chunk], None], fail: Callable[[BaseException], None],
+               close: Callable[[], None] = lambda: None, cancelled: Callable[[], bool] = lambda: False,
+               can_stream: bool = True) -> Ticket:
+        """Queue one request; its answers go to `send` (one chunk, or a stream ending with a final one) or `fail`.
+        Raises UserError for bad input and QueueFull when every slot is taken and the queue is full, before any
+        work."""
+        req = parse_request(inputs, self.runtime.cfg.max_seq_len, can_stream)
+        request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
+        ticket = Ticket(request, req.stream, send, fail, close, cancelled)
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down: retry on another instance")
+            if len(self._inbox) + len(self.core.waiting) >= self.core.cfg.max_queue + len(self.core.pool.free):
+                raise QueueFull(f"all {self.core.pool.slots} slots are in use and {self.core.cfg.max_queue} "
+                                "requests wait for one (max_queue): retry later")
+            self._inbox.append(ticket)
+            self._wake.notify()
+        return ticket
 
     def run(self, inputs: Inputs, send: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False,
             can_stream: bool = True) -> bool:
-        """Serve one request: chunks go to `send` (one, or a stream ending with a final one). Returns False if
-        the request was cancelled (nothing more is sent); raises UserError for bad input before any work."""
-        req = parse_request(inputs, self.runtime.cfg.max_seq_len, can_stream)
-        rt, stats = self.runtime.fork(), Stats()  # stats fill in as the loop runs
-        generated: list[int] = []
-        sent = 0
+        """Serve one request and wait for it: False if it was cancelled (nothing more sent). Raises UserError for
+        bad input, and the request's own error if it failed."""
+        done, outcome = threading.Event(), {}
 
-        def on_tokens(new: list[int]) -> None:
-            nonlocal sent
-            if cancelled():
-                raise Cancelled
-            generated.extend(new)
-            if req.stream:
-                send(Chunk(list(generated), sent, False, stats, ""))
-                sent = len(generated)
+        def finish(**kw):
+            outcome.update(kw)
+            done.set()
 
-        with self._lock:
-            self.active += 1
+        def on_chunk(chunk: Chunk) -> None:
+            send(chunk)
+            if chunk.final:
+                finish(ok=True)
+
+        self.submit(inputs, on_chunk, lambda e: finish(error=e), lambda: finish(ok=False), cancelled, can_stream)
+        done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["ok"]
+
+    def close(self) -> None:
+        """Stop the loop; every request not answered yet gets an error."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+        for t in [*self._inbox, *self._tickets.values()]:
+            t.fail(QueueFull("the server is shutting down: retry on another instance"))
+        self._inbox, self._tickets = [], {}
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._inbox and self.core.idle:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                joining, self._inbox = self._inbox, []
+            for t in joining:
+                self._join(t)
+            for req, t in list(self._tickets.items()):
+                req.cancelled = req.cancelled or t.cancelled()
+            t0 = time.perf_counter()
+            try:
+                finished = self.core.step()
+            except Exception as e:  # an engine failure: answer every request in flight, keep serving
+                finished = self._fail_all(e)
+            self._answer(finished, time.perf_counter() - t0)
+
+    def _join(self, t: Ticket) -> None:
         try:
-            result = rt.generate(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec, on_tokens=on_tokens,
-                                 stats=stats, busy=self.busy if self.spec_max_active else None)
-        except Cancelled:
-            return False
-        finally:
-            with self._lock:
-                self.active -= 1
-        send(Chunk(result.token_ids, sent, True, result.stats, result.stop_reason))
-        return True
+            self.core.add(t.request)
+        except (UserError, QueueFull) as e:
+            t.fail(e)
+            return
+        self._tickets[t.request] = t
+
+    def _fail_all(self, e: Exception) -> list[Request]:
+        failed = [*self.core.active, *self.core.waiting]
+        for r in failed:
+            r.cancelled = True
+        self.core.step()  # retires them all, giving their slots back
+        for r in failed:
+            self._tickets.pop(r).fail(e)
+        return []
+
+    def _answer(self, finished: list[Request], step_s: float) -> None:
+        m, new_tokens = self.metrics, 0
+        for req, t in list(self._tickets.items()):
+            new = req.take()
+            new_tokens += len(new)
+            t.generated += new
+            if req in finished:
+                del self._tickets[req]
+                m.draft_tokens += req.stats.draft_tokens
+                m.accepted_tokens += req.stats.accepted_tokens
+                res = req.result()
+                if res.stop_reason == "cancelled":
+                    t.close()
+                else:
+                    t.send(Chunk(t.generated, t.sent, True, req.stats, res.stop_reason))
+            elif t.stream and new:
+                t.send(Chunk(list(t.generated), t.sent, False, req.stats, ""))
+                t.sent = len(t.generated)
+        m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
+        m.steps += 1
+        m.generated_tokens += new_tokens
+        m.tokens_per_second = ema(m.tokens_per_second or None, new_tokens / max(step_s, 1e-9))

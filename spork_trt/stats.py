@@ -19,7 +19,6 @@ class Stats:
     score_s: float = 0.0  # time in the verifier
     scored_steps: int = 0  # steps the verifier scored
     verifier_offs: int = 0  # times the scheduler switched the verifier off because it did not pay
-    busy_steps: int = 0  # serving: steps decoded plainly because other requests held the compute
     gated_steps: int = 0  # gate mode (lossy): steps the verifier alone accepted
     gated_tokens: int = 0  # tokens committed without target verification
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps

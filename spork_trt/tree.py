@@ -60,6 +60,7 @@ class DraftTree:
 @dataclass(frozen=True)
 class TreeBuffers:
     mask: torch.Tensor  # [1, N, P + N] bool: the prefix, the node's ancestors and itself
+    ancestors: torch.Tensor  # [N, N] bool: the node's ancestors and itself (the mask's last N columns)
     position_ids: torch.Tensor  # [1, N] prefix length + depth
     depth: tuple[int, ...]  # [N] root = 0
     children: tuple[tuple[int, ...], ...]  # [N] child node indices, in drafting order
@@ -79,7 +80,7 @@ def compile_tree(parents: tuple[int, ...], prefix_len: int) -> TreeBuffers:
             children[p].append(i)
     mask = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors], dim=1)[None]
     positions = (torch.tensor(depth) + prefix_len)[None]
-    return TreeBuffers(mask, positions, tuple(depth), tuple(tuple(c) for c in children))
+    return TreeBuffers(mask, ancestors, positions, tuple(depth), tuple(tuple(c) for c in children))
 
 
 def chain_parents(n_draft: int) -> tuple[int, ...]:

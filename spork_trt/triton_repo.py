@@ -17,7 +17,7 @@ from .config import SpecConfig
 from .errors import UserError
 
 PROFILES = ("cpu", "gpu")
-MAX_BATCH_SIZE = 8  # requests the server may hand a model at once; each is still served on its own
+MAX_BATCH_SIZE = 8  # requests the server may hand a model at once; each is still answered on its own
 TEMPLATES = Path(__file__).resolve().parents[1] / "triton_repo"
 # the gpu profile runs the same loop on ONNX Runtime's TensorRT and CUDA execution providers (unverified: no GPU)
 GPU_PROVIDERS = "TensorrtExecutionProvider,CUDAExecutionProvider,CPUExecutionProvider"
@@ -28,17 +28,22 @@ class RepoConfig:
     engines: Path = Path("engines/default")
     out: Path | None = None  # None: ENGINES/triton_repo
     profile: str = "cpu"  # cpu | gpu
-    instances: int = 1  # spork model instances
-    max_concurrency: int = 8  # requests one spork instance runs at once (each on its own KV caches)
+    instances: int = 1  # spork model instances (each one engine core over its own KV pool)
+    slots: int = 16  # requests one instance decodes at once (KV pool slots); more queue
     draft: str = SpecConfig.draft
-    # speculate while at most this many requests run on an instance (more: plain steps until fewer run); 0: always.
-    # None: 1 on the cpu profile (one request's ONNX Runtime calls already take every core, so a second request
-    # saturates them and a tree's extra compute lowers throughput), 0 on the gpu profile
-    spec_max_active: int | None = None
+    max_context: int = 0  # positions a request may use (prompt + max_tokens); 0: the model's context window
+    max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
+    unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once
 
     @property
     def repo(self) -> Path:
         return self.out or self.engines / "triton_repo"
+
+
+def tree_room(draft: str) -> int:
+    """KV positions past the context a slot keeps for one step's tree (core.room)."""
+    spec = SpecConfig.for_draft(draft)
+    return spec.tree_budget + spec.tree_depth + 1
 
 
 def pb():
@@ -107,11 +112,14 @@ def render(cfg: RepoConfig) -> Path:
 
     if cfg.profile not in PROFILES:
         raise UserError(f"--profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
-    if not 1 <= cfg.instances <= 64 or not 1 <= cfg.max_concurrency <= 256:
-        raise UserError("--instances must be in 1..64 and --max-concurrency in 1..256")
-    if cfg.spec_max_active is not None and not 0 <= cfg.spec_max_active <= 256:
-        raise UserError("--spec-max-active must be in 0..256 (0: speculate at any load)")
-    mf.read(cfg.engines)  # a clear error if this is not a build
+    if not 1 <= cfg.instances <= 64 or not 1 <= cfg.slots <= 256 or not 1 <= cfg.unary_instances <= 64:
+        raise UserError("--instances must be in 1..64, --slots in 1..256 and --unary-instances in 1..64")
+    if cfg.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got {cfg.max_queue}")
+    window = mf.spec_config(mf.read(cfg.engines)["model"]).max_seq_len  # a clear error if this is not a build
+    if not 0 <= cfg.max_context <= window:
+        raise UserError(f"--max-context must be in 1..{window} (the model's context window; 0 means all of it)")
+    max_len = (cfg.max_context or window) + tree_room(cfg.draft)
     if not TEMPLATES.is_dir():
         raise UserError(f"model templates not found at {TEMPLATES}: install spork_trt from its source tree "
                         "(pip install -e .)")
@@ -122,16 +130,17 @@ def render(cfg: RepoConfig) -> Path:
     gpu = cfg.profile == "gpu"
     params = {
         "preprocessing": {"engines": where},
-        "spork": {"engines": where, "draft": cfg.draft, "max_concurrency": str(cfg.max_concurrency),
-                  "spec_max_active": str((0 if gpu else 1) if cfg.spec_max_active is None else cfg.spec_max_active),
-                  "providers": GPU_PROVIDERS if gpu else "CPUExecutionProvider", "_count": str(cfg.instances)},
+        "spork": {"engines": where, "draft": cfg.draft, "slots": str(cfg.slots), "max_len": str(max_len),
+                  "max_queue": str(cfg.max_queue), "providers": GPU_PROVIDERS if gpu else "CPUExecutionProvider",
+                  "_count": str(cfg.instances)},
+        "spork_unary": {"_count": str(cfg.unary_instances)},
         "postprocessing": {"engines": where},
     }
     configs = []  # (config, template folder or None)
     for s in io_spec.TRITON_STEPS:
-        kind = "KIND_GPU" if gpu and s.name == "spork" else "KIND_CPU"
         names = io_spec.ENTRY_POINTS.values() if s.name == "spork" else (s.name,)
-        configs += [(step_config(s, n, n == "spork", dict(params[s.name]), kind), s.name) for n in names]
+        configs += [(step_config(s, n, n == "spork", dict(params[n]), "KIND_GPU" if gpu and n == "spork" else
+                                 "KIND_CPU"), n) for n in names]
     configs += [(ensemble_config(name, spork), None) for name, spork in io_spec.ENTRY_POINTS.items()]
     for c, template in configs:
         d = repo / c.name

@@ -20,15 +20,17 @@ def test_features_are_depth_and_sibling_rank():
 
 def test_prune_keeps_every_ancestor_and_is_the_identity_when_off():
     s = sched()
-    s.cost = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}  # verification costs the same up to 8 nodes: keep everything
+    s.costs.set({0: 1.0, 3: 1.0})  # verification costs (nearly) the same up to 8 nodes and every choice is
+    s.odds = {key: [9.0, 10.0] for key in [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (4, 0)]}  # likely: keep all
     assert s.prune(TREE, greedy=True) == list(range(7))
-    s.cost = {0: 1.0, 1: 1.3, 2: 1.6, 3: 2.2}
+    s.pruned, s.odds = 0, {}
+    s.costs.set({0: 1.0, 1: 1.3, 2: 1.6, 3: 4.0})  # a fifth node costs 0.6: more than node 6 brings
     for (d, r) in [(1, 0), (2, 0), (3, 0), (4, 0)]:
         s.odds[(d, r)] = [9.0, 10.0]  # first choices nearly always right
     for (d, r) in [(1, 1), (2, 1)]:
         s.odds[(d, r)] = [0.0, 50.0]  # second choices never
     keep = s.prune(TREE, greedy=True)
-    assert keep == [0, 1, 3, 5] and all(TREE.parents[i] in keep for i in keep[1:])  # node 6 would need 5+ nodes
+    assert keep == [0, 1, 3, 5] and all(TREE.parents[i] in keep for i in keep[1:])  
     assert s.pruned == 3
     assert s.prune(TREE, greedy=False) == list(range(7))  # sampling keeps all drawn siblings
     assert Scheduler(SpecConfig(adaptive=False)).prune(TREE, greedy=True) == list(range(7))
@@ -36,7 +38,7 @@ def test_prune_keeps_every_ancestor_and_is_the_identity_when_off():
 
 def test_costly_trees_with_poor_odds_prune_to_a_plain_step():
     s = sched()
-    s.cost = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
+    s.costs.set({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})
     for key in [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (4, 0)]:
         s.odds[key] = [1.0, 40.0]
     assert s.prune(TREE, greedy=True) == [0]
@@ -47,7 +49,7 @@ def test_record_learns_odds_and_moves_depth():
     sub = TREE.subtree([0, 1, 2, 3])  # root, two children, one grandchild under node 1
     s.record(sub, Verdict((0, 1, 3), (10, 12), 99), True, 0.01, 0.02)
     assert s.odds[(1, 0)] == [1.0, 1.0] and s.odds[(1, 1)] == [0.0, 1.0] and s.odds[(2, 0)] == [1.0, 1.0]
-    assert s.depth == 4 and s.cost[2] == 0.02
+    assert s.depth == 4
     s.record(sub, Verdict((0,), (), 99), True, 0.01, 0.02)
     assert s.depth == 2  # level 2: halved after a failed step
     s.record(sub, Verdict((0, 1), (10,), 99), True, 0.01, 0.02)
@@ -68,24 +70,36 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     assert not s.speculate() and s.fallbacks == 2
 
 
-def test_busy_makes_steps_plain_and_keeps_the_output():
-    """Serving under load: while busy() holds, steps are plain (no draft verified) and counted; the output is the
-    same as plain decoding whatever the load does."""
-    from spork_trt.config import GenerateConfig
-    from spork_trt.drafters import NgramDrafter
-    from spork_trt.engines.torch_engine import TorchEngine
-    from spork_trt.generate import generate
-    from spork_trt.weights import random_checkpoint
-    from tests.conftest import tiny_config
+def test_allot_shares_one_forward_by_goodput():
+    """Across requests the most likely nodes win; with a flat cost every node is taken, with a steep one none, and
+    one request alone gets what `prune` keeps for it."""
+    from spork_trt.cost_model import CostModel
+    from spork_trt.scheduler import Candidates, allot
 
-    sched = Scheduler(SpecConfig(), busy=lambda: True)
-    assert not sched.speculate() and not sched.speculate() and sched.busy_steps == 2
-    model = random_checkpoint(tiny_config(), seed=5, scale=8.0).model
-    prompt, cfg = [5, 6, 7, 5, 6, 7, 5, 6], GenerateConfig(max_new_tokens=30)
-    want = generate(TorchEngine(model), prompt, cfg, frozenset())
-    calls = iter(range(1000))
-    for busy, load in ((lambda: True, "all"), (lambda: next(calls) % 3 == 0, "some"), (lambda: False, "none")):
-        got = generate(TorchEngine(model), prompt, cfg, frozenset(), drafter=NgramDrafter(4), busy=busy)
-        assert got.token_ids == want.token_ids, load
-        assert (got.stats.draft_tokens > 0) == (load != "all"), load
-        assert (got.stats.busy_steps > 0) == (load != "none"), load
+    a = Candidates((1, 2, 3), (0.9, 0.8, 0.1))
+    b = Candidates((4, 5), (0.7, 0.05))
+    fixed = Candidates((1, 2), (1.0, 1.0), fixed=True)
+    linear = CostModel()
+    linear.set({0: 1.0, 3: 1.0 + 0.3 * 7})  # 0.3 of a one-token forward per extra token
+    # a node pays when its survival beats (tokens per second so far) x (its 0.3 extra cost): about 0.6 here
+    assert allot([a, b], linear.seconds) == [2, 1]  # 0.9, 0.8, 0.7 pay; 0.1 and 0.05 do not
+    assert allot([a, b], lambda n: 1.0) == [3, 2]
+    assert allot([a, b], lambda n: float(n) ** 2) == [0, 0]
+    assert allot([a, b, fixed], lambda n: float(n) ** 2) == [0, 0, 2]  # the fixed shape keeps its tree whatever
+    assert allot([a, b], lambda n: 1.0, max_tokens=4) == [2, 0]  # 2 roots + the 2 most likely nodes
+    s = sched()
+    s.costs = linear
+    assert allot([Candidates((1, 2, 3), (0.9, 0.8, 0.1))], s.costs.seconds) == [2]
+
+
+def test_cost_model_interpolates_and_never_makes_more_tokens_cheaper():
+    from spork_trt.cost_model import CostModel
+
+    c = CostModel()
+    assert c.seconds(1) == 1.0 and c.seconds(11) > c.seconds(10)  # the prior, in units of one token
+    c.record(1, 0.028)
+    c.record(16, 0.063)
+    assert abs(c.seconds(8) - (0.028 + 7 * 0.035 / 15)) < 1e-9  # on the measured segment
+    assert c.seconds(32) > c.seconds(16)
+    c.record(4, 0.070)  # noise: 4 tokens measured dearer than 16
+    assert c.seconds(10) >= c.seconds(4) and c.seconds(16) > c.seconds(10)

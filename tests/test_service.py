@@ -82,7 +82,9 @@ def test_stateless_deltas_never_split_characters(default_tokenizer):
 def service(default_runtime):
     from spork_trt.config import SpecConfig
 
-    return Service(default_runtime, SpecConfig.for_draft("ngram"))
+    s = Service(default_runtime, SpecConfig.for_draft("ngram"))
+    yield s
+    s.close()
 
 
 def run(service, prompt_ids, max_tokens, stream, cancel_after=None):

@@ -24,7 +24,8 @@ def same(io, t: io_spec.TritonTensor) -> bool:
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
-    repo = render(RepoConfig(default_engines, tmp_path / "repo", profile, instances=2, max_concurrency=4))
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", profile, instances=2, slots=4, max_context=1024,
+                             unary_instances=3))
     steps = {s.name: s for s in io_spec.TRITON_STEPS}
     for name, spork in io_spec.ENTRY_POINTS.items():
         for model in ("preprocessing", spork, "postprocessing"):
@@ -37,13 +38,15 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
             assert (repo / model / "1" / "model.py").is_file()
             args = {"model_config": json_format.MessageToJson(c, preserving_proto_field_name=True),
                     "model_repository": str(repo / model)}  # what Triton hands initialize()
-            assert model_parameters(args)["engines"] == str(default_engines.resolve())
-            gpu = profile == "gpu" and model == spork
+            if model != "spork_unary":  # it loads no engines: it calls spork (one core, one pool)
+                assert model_parameters(args)["engines"] == str(default_engines.resolve())
+            gpu = profile == "gpu" and model == "spork"
             assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
-        sp = load(repo, spork)
-        assert sp.instance_group[0].count == 2 and sp.parameters["max_concurrency"].string_value == "4"
-        assert sp.parameters["spec_max_active"].string_value == ("0" if profile == "gpu" else "1")  # load rule
+        sp = load(repo, "spork")
+        assert sp.instance_group[0].count == 2 and sp.parameters["slots"].string_value == "4"
+        assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
         assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu")
+        assert load(repo, "spork_unary").instance_group[0].count == 3
         e = load(repo, name)
         assert e.platform == "ensemble"
         assert [i.name for i in e.input] == [t.name for t in io_spec.ENSEMBLE_INPUTS]
@@ -62,3 +65,10 @@ def test_render_refuses_what_is_not_a_build(tmp_path):
         render(RepoConfig(tmp_path))
     with pytest.raises(UserError, match="--profile"):
         render(RepoConfig(tmp_path, profile="tpu"))
+
+
+def test_render_refuses_bad_sizes(default_engines, tmp_path):
+    for bad, flag in ((dict(slots=0), "--slots"), (dict(max_queue=-1), "--max-queue"),
+                      (dict(max_context=100000), "--max-context")):
+        with pytest.raises(UserError, match=flag):
+            render(RepoConfig(default_engines, tmp_path / "repo", **bad))

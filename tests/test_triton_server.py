@@ -221,7 +221,7 @@ def test_cancelled_stream_frees_its_request(server, default_tokenizer):
     c.stop_stream(cancel_requests=True)
     c.close()
     deadline = time.monotonic() + 30
-    while "request cancelled, its KV caches released" not in server.cfg.log.read_text():
+    while "request cancelled, its KV slot released" not in server.cfg.log.read_text():
         assert time.monotonic() < deadline, "the cancelled request was not stopped"
         time.sleep(0.2)
 

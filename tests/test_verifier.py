@@ -171,7 +171,7 @@ def test_survival_is_the_product_along_the_path():
 
 def test_scheduler_tau_follows_the_acceptance_target_and_auto_turns_an_unpaying_verifier_off():
     sched = Scheduler(SpecConfig(verifier="auto", tau=0.1, target_acceptance=0.7))
-    sched.cost = {0: 0.010, 3: 0.0101}  # verify cost flat in tree size: pruning saves nothing
+    sched.costs.set({0: 0.010, 3: 0.0101})  # verify cost flat in tree size: pruning saves nothing
     tree = DraftTree(tuple(range(8)), (-1, 0, 1, 2, 0, 4, 5, 6))
     assert [sched.use_verifier(True) for _ in range(FIRST_PROBE)] == [False] * (FIRST_PROBE - 1) + [True]
     keep = sched.prune(tree, True, np.array([1, .9, .8, .05, .3, .2, .1, .01]))
@@ -180,7 +180,7 @@ def test_scheduler_tau_follows_the_acceptance_target_and_auto_turns_an_unpaying_
     assert sched.tau > 0.1  # acceptance below target: prune harder
     assert not sched.verifier_on and sched.verifier_offs == 1  # 4 ms spent to save ~0
     assert [sched.use_verifier(True) for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
-    sched.cost = {0: 0.01, 1: 0.02, 2: 0.1, 3: 0.2}  # verify cost now steep in tree size: pruning pays
+    sched.costs.set({0: 0.01, 1: 0.02, 2: 0.1, 3: 0.2})  # verify cost now steep in tree size: pruning pays
     sched.baseline_n = 8  # what pruning by (depth, rank) alone would have verified; the verifier kept 2
     sched.scored(score_s=0.001, acceptance=0.6, n=2)
     assert sched.verifier_on and sched.probe_every == PROBE_EVERY and sched.use_verifier(True)

@@ -1,6 +1,11 @@
-"""Engines run one model over new tokens against their own preallocated KV cache.
+"""Engines run one model over new tokens against preallocated KV caches.
 
 Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines follow it):
+  make_pool(slots, max_len) -> KVPool              one preallocated buffer pair, a cache view per slot
+  forward_batch([SeqInput]) -> [logits [n_b, V]]   a ragged batch: each sequence's new tokens after every row its
+                                                   cache holds (committed + pending), with its tree's own [n, n]
+                                                   ancestor mask; appends n_b pending rows to each cache. One
+                                                   forward for all of them (the engine pads to [B, T]).
   reset(max_len)                                   ready for a new sequence of at most max_len positions
   forward(input_ids [B,T], position_ids [B,T], mask [B,T,S]) -> logits [B,T,V]
                                                    S = length + pending + T; appends T pending KV rows
@@ -12,11 +17,37 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
 """
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import Rows
+from ..kv_cache import KVPool, Rows
 from ..model import causal_mask
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence of a ragged batch: new tokens after every row its cache holds."""
+
+    cache: Rows  # the sequence's slot (or own cache): rows [0, length + pending) are its context
+    tokens: tuple[int, ...]  # [n]
+    positions: tuple[int, ...]  # [n]
+    ancestors: torch.Tensor  # [n, n] bool: row i may attend new token j (itself and its ancestors)
+
+    @property
+    def context(self) -> int:
+        return self.cache.length + self.cache.pending
+
+    def mask(self) -> torch.Tensor:
+        """[1, n, context + n]: every context row, then the tree's own ancestors."""
+        n = len(self.tokens)
+        return torch.cat([torch.ones(n, self.context, dtype=torch.bool), self.ancestors], dim=1)[None]
+
+
+def chain_input(cache: Rows, ids: list[int]) -> SeqInput:
+    """Tokens as one causal chain after every row `cache` holds."""
+    base, n = cache.length + cache.pending, len(ids)
+    return SeqInput(cache, tuple(ids), tuple(range(base, base + n)), torch.ones(n, n, dtype=torch.bool).tril())
 
 
 class CachedEngine(ABC):
@@ -35,6 +66,19 @@ class CachedEngine(ABC):
     @property
     def pending(self) -> int:
         return 0 if self.cache is None else self.cache.pending
+
+    @abstractmethod
+    def make_pool(self, slots: int, max_len: int) -> KVPool:
+        """One preallocated buffer pair for `slots` sequences of at most `max_len` positions."""
+
+    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+        """Logits [n_b, V] of each sequence's new tokens; appends them as pending rows of its cache. This
+        default runs the sequences one by one (engines override it with one padded forward)."""
+        out = []
+        for s in seqs:
+            self.cache = s.cache
+            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask())[0])
+        return out
 
     @abstractmethod
     def fresh(self) -> "CachedEngine":

@@ -12,8 +12,8 @@ import torch
 from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
-from ..kv_cache import Rows
-from . import CachedEngine
+from ..kv_cache import KVPool, Rows
+from . import CachedEngine, SeqInput
 
 
 def session_options(threads: int | None = None):
@@ -58,6 +58,7 @@ class OnnxEngine(CachedEngine):
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
         self.logits = np.zeros((1, max_new, cfg.vocab_size), dtype=np.float32)  # [1, Tmax, V]
+        self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
 
     @property
     def cfg(self) -> ModelConfig:
@@ -69,6 +70,63 @@ class OnnxEngine(CachedEngine):
     def make_cache(self, max_len: int) -> Rows:
         shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
         return Rows(np.zeros(shape, np.float32), np.zeros(shape, np.float32), axis=2)
+
+    def make_pool(self, slots: int, max_len: int) -> KVPool:
+        shape = (self.n_layers, slots, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)  # [L, slots, Smax, Hkv, D]
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # untouched pages cost no memory yet
+        return KVPool([Rows(k[:, s:s + 1], v[:, s:s + 1], axis=2) for s in range(slots)])
+
+    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+        """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), past rows
+        gathered into [B, P, Hkv, D] per layer (P = the longest context; each sequence sees only its own), new rows
+        scattered back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
+        if len(seqs) == 1:
+            return super().forward_batch(seqs)
+        hkv, d, v = self._cfg.n_kv_heads, self._cfg.head_dim, self._cfg.vocab_size
+        b, t = len(seqs), max(len(s.tokens) for s in seqs)
+        ctx = [s.context for s in seqs]
+        p = max(ctx)
+        ids, pos = np.zeros((b, t), np.int64), np.zeros((b, t), np.int64)
+        mask = np.zeros((b, t, p + t), np.bool_)
+        mask[:, np.arange(t), p + np.arange(t)] = True  # a padding row attends to itself only
+        past = self._scratch("past", (2, self.n_layers, b, p, hkv, d))  # [K|V, L, B, P, Hkv, D]
+        for i, s in enumerate(seqs):
+            n, c = len(s.tokens), s.cache
+            if ctx[i] + n > c.max_len:
+                raise ValueError(f"KV cache full: {ctx[i] + n} positions needed, {c.max_len} allocated")
+            ids[i, :n], pos[i, :n] = s.tokens, s.positions
+            mask[i, :n, :ctx[i]] = True
+            mask[i, :n, p:p + n] = s.ancestors.numpy()
+            past[0, :, i, :ctx[i]] = c.k[:, 0, :ctx[i]]
+            past[1, :, i, :ctx[i]] = c.v[:, 0, :ctx[i]]
+        new = self._scratch("new", (2, self.n_layers, b, t, hkv, d))  # [K|V, L, B, T, Hkv, D]
+        logits = self._scratch("logits", (b, t, v))
+        io = self.session.io_binding()
+        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        for layer, (pk, pv, nk, nv) in enumerate(self.names):
+            for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
+                io.bind_input(pname, "cpu", 0, np.float32, (b, p, hkv, d), past[j, layer].ctypes.data)
+                io.bind_output(nname, "cpu", 0, np.float32, (b, t, hkv, d), new[j, layer].ctypes.data)
+        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        out = []
+        for i, s in enumerate(seqs):
+            n, c = len(s.tokens), s.cache
+            c.k[:, 0, ctx[i]:ctx[i] + n] = new[0, :, i, :n]
+            c.v[:, 0, ctx[i]:ctx[i] + n] = new[1, :, i, :n]
+            c.written(n)
+            out.append(torch.from_numpy(logits[i, :n].copy()))  # [n, V]
+        return out
+
+    def _scratch(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A contiguous array of `shape` over a flat float32 buffer kept between batches (grown on demand). Fresh
+        buffers are zeros and only ever hold finite values, so masked-off rows never turn a softmax into NaN."""
+        n = int(np.prod(shape))
+        buf = self.scratch.get(name)
+        if buf is None or buf.size < n:
+            buf = self.scratch[name] = np.zeros(max(n, 1), np.float32)
+        return buf[:n].reshape(shape)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V]."""

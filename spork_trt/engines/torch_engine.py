@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
-from . import CachedEngine
+from . import CachedEngine, SeqInput
 
 
 class TorchEngine(CachedEngine):
@@ -25,6 +25,10 @@ class TorchEngine(CachedEngine):
     def make_cache(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, n_layers=self.exit_layer)
 
+    def make_pool(self, slots: int, max_len: int) -> KVPool:
+        pool = KVCache(self.cfg, max_len, batch=slots, n_layers=self.exit_layer)  # [L, slots, Hkv, Smax, D]
+        return KVPool([KVCache.over(pool.k[:, s:s + 1], pool.v[:, s:s + 1]) for s in range(slots)])
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V]."""
@@ -34,3 +38,48 @@ class TorchEngine(CachedEngine):
         logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer).logits
         c.written(input_ids.shape[1])
         return logits
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+        """One padded forward over B sequences (see BatchKV); one sequence runs in place (`forward`)."""
+        if len(seqs) == 1:
+            return super().forward_batch(seqs)
+        kv = BatchKV(seqs)
+        b, t, p = len(seqs), kv.t, kv.p
+        ids, pos = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
+        mask = torch.zeros(b, t, p + t, dtype=torch.bool)
+        mask[:, torch.arange(t), p + torch.arange(t)] = True  # a padding row attends to itself only
+        for i, s in enumerate(seqs):
+            n = len(s.tokens)
+            ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
+            mask[i, :n, :kv.ctx[i]] = True
+            mask[i, :n, p:p + n] = s.ancestors
+        logits = self.model(ids, pos, mask, kv, exit_layer=self.exit_layer).logits  # [B, T, V]
+        for i, s in enumerate(seqs):
+            s.cache.written(len(s.tokens))
+        return [logits[i, :len(s.tokens)] for i, s in enumerate(seqs)]
+
+
+class BatchKV:
+    """A model.KVStore over several sequences' caches: each layer stores every sequence's new rows in its own cache
+    and returns keys/values padded to [B, Hkv, P + T, D] (P the longest context; rows past a sequence's own
+    context are zeros, masked off)."""
+
+    def __init__(self, seqs: list[SeqInput]) -> None:
+        self.seqs = seqs
+        self.ctx = [s.context for s in seqs]  # [B]
+        self.p, self.t = max(self.ctx), max(len(s.tokens) for s in seqs)
+        for c, s in zip(self.ctx, seqs):
+            if c + len(s.tokens) > s.cache.max_len:
+                raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, P + T, D]."""
+        b, hkv, t, d = k.shape
+        keys, values = k.new_zeros(b, hkv, self.p + t, d), v.new_zeros(b, hkv, self.p + t, d)
+        keys[:, :, self.p:], values[:, :, self.p:] = k, v
+        for i, (c, s) in enumerate(zip(self.ctx, self.seqs)):
+            n, cache = len(s.tokens), s.cache
+            cache.k[layer, 0, :, c:c + n], cache.v[layer, 0, :, c:c + n] = k[i, :, :n], v[i, :, :n]
+            keys[i, :, :c], values[i, :, :c] = cache.k[layer, 0, :, :c], cache.v[layer, 0, :, :c]
+        return keys, values

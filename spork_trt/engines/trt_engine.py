@@ -19,7 +19,7 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
 from ..export.tensorrt import REBUILD, require_tensorrt
-from ..kv_cache import Rows
+from ..kv_cache import KVPool, Rows
 from . import CachedEngine
 
 ALIGN = 256  # bytes: IExecutionContext::setTensorAddress wants at least this alignment (TensorRT 10 and 11 headers)
@@ -95,6 +95,11 @@ class TrtEngine(CachedEngine):
         shape = (self.n_layers, 1, -(-max_len // step) * step, hkv, d)  # Smax rounded up: every layer starts aligned
         return Rows(torch.zeros(shape, dtype=dtype, device=self.plan.device),
                     torch.zeros(shape, dtype=dtype, device=self.plan.device), axis=2)
+
+    def make_pool(self, slots: int, max_len: int) -> KVPool:
+        """One buffer pair per slot, all allocated now (binding addresses by arithmetic wants each slot's layers at
+        a fixed stride); batches run sequence by sequence (CachedEngine.forward_batch): unverified, no GPU here."""
+        return KVPool([self.make_cache(max_len) for _ in range(slots)])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V] (CPU, float32).

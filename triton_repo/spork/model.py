@@ -1,19 +1,30 @@
-"""Triton python models `spork` (decoupled: streams) and `spork_unary` (one response per request): run the
-speculative loop in-process on the engines named by the config. Each request runs on a worker thread with its own
-KV caches (ONNX Runtime releases the GIL while it computes); a cancelled request stops at its next step and frees
-its state. A thin adapter: the logic is spork_trt.service (tested without Triton)."""
-import json
-from concurrent.futures import ThreadPoolExecutor
+"""Triton python model `spork` (decoupled): one engine core per instance steps every request together; a request
+joins the running batch, streams its chunks through its response sender, and leaves when done or cancelled (the
+client went away or cancelled the stream: its slot is free at the next step). With every slot taken, requests queue
+up to max_queue; beyond that they are answered UNAVAILABLE. Custom Prometheus metrics on the metrics port. A thin
+adapter: the logic is spork_trt.service (tested without Triton)."""
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from spork_trt import io_spec
-from spork_trt.errors import UserError
+from spork_trt.core import CoreConfig
+from spork_trt.errors import QueueFull, UserError
 from spork_trt.service import Service, model_parameters
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS = (  # (name, kind, help, Metrics field)
+    ("spork_active_requests", "GAUGE", "requests holding a KV slot", "active"),
+    ("spork_queued_requests", "GAUGE", "requests waiting for a KV slot", "queued"),
+    ("spork_batch_tokens", "GAUGE", "tokens of the last step's target forward (all requests' trees)", "batch_tokens"),
+    ("spork_tokens_per_second", "GAUGE", "committed tokens per second, all requests (moving average)",
+     "tokens_per_second"),
+    ("spork_acceptance_rate", "GAUGE", "accepted / verified draft tokens of the finished requests", None),
+    ("spork_steps_total", "COUNTER", "engine core steps", "steps"),
+    ("spork_generated_tokens_total", "COUNTER", "tokens committed, all requests", "generated_tokens"),
+)
 
 
 def response(chunk):
@@ -23,6 +34,8 @@ def response(chunk):
 def error_response(e):
     if isinstance(e, UserError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(e, QueueFull):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.UNAVAILABLE))
     pb_utils.Logger.log_error(f"spork: request failed: {e!r}")
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e!r}"))
 
@@ -30,40 +43,58 @@ def error_response(e):
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
+        core = CoreConfig(slots=int(params["slots"]), max_len=int(params["max_len"]),
+                          max_queue=int(params["max_queue"]))
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
-                                    int(params.get("spec_max_active", "0")))
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
-        self.pool = ThreadPoolExecutor(max_workers=int(params["max_concurrency"]), thread_name_prefix="spork")
+                                    core)
+        self.metrics = {}
+        for name, kind, doc, field in METRICS:
+            family = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind))
+            labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+            self.metrics[name] = (family.Metric(labels=labels), field, kind)
+        self.published = {}
+        self.stop = threading.Event()
+        self.publisher = threading.Thread(target=self.publish, name="spork-metrics", daemon=True)
+        self.publisher.start()
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self.pool.submit(self.stream, request)
-            return None  # responses go through each request's sender
-        return [f.result() for f in [self.pool.submit(self.answer, r) for r in requests]]
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self.service.submit(
+                    self.inputs(request),
+                    send=lambda chunk, s=sender: s.send(response(chunk), flags=FINAL if chunk.final else 0),
+                    fail=lambda e, s=sender: s.send(error_response(e), flags=FINAL),
+                    close=lambda s=sender: self.cancelled(s),
+                    cancelled=request.is_cancelled)
+            except Exception as e:
+                sender.send(error_response(e), flags=FINAL)
+        return None  # responses go through each request's sender
 
-    def stream(self, request):
-        sender = request.get_response_sender()
-        try:
-            send = lambda chunk: sender.send(response(chunk), flags=FINAL if chunk.final else 0)
-            if not self.service.run(self.inputs(request), send, cancelled=request.is_cancelled):
-                pb_utils.Logger.log_info("spork: request cancelled, its KV caches released")
-                sender.send(flags=FINAL)  # close the stream
-        except Exception as e:
-            sender.send(error_response(e), flags=FINAL)
-
-    def answer(self, request):
-        chunks = []
-        try:
-            self.service.run(self.inputs(request), chunks.append, can_stream=False)
-            return response(chunks[-1])
-        except Exception as e:
-            return error_response(e)
+    @staticmethod
+    def cancelled(sender):
+        pb_utils.Logger.log_info("spork: request cancelled, its KV slot released")
+        sender.send(flags=FINAL)  # close the stream
 
     @staticmethod
     def inputs(request):
         tensors = {t.name: pb_utils.get_input_tensor_by_name(request, t.name) for t in STEP.inputs}
         return {name: None if t is None else t.as_numpy() for name, t in tensors.items()}
 
+    def publish(self):
+        """Copy the service's metrics into the Prometheus families twice a second."""
+        while not self.stop.wait(0.5):
+            m = self.service.metrics
+            for name, (metric, field, kind) in self.metrics.items():
+                value = (m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0) if field is None \
+                    else float(getattr(m, field))
+                if kind == "GAUGE":
+                    metric.set(value)
+                else:
+                    metric.increment(value - self.published.get(name, 0.0))
+                    self.published[name] = value
+
     def finalize(self):
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.stop.set()
+        self.publisher.join()
+        self.service.close()

@@ -1,0 +1,283 @@
+"""The engine core: every active request stepped together (continuous batching) over one preallocated KV pool.
+
+One `step()`: admit waiting requests into free slots; each decoding request's drafter proposes a tree, the verifier
+scores it, and the scheduler's goodput allotment (scheduler.allot) decides across ALL requests which nodes ONE
+target forward verifies; then per request: verify, commit, stream (into its outbox), recover. Prompts are
+prefilled in chunks under a per-step token budget in a second forward of the same step, so a long prompt never
+stalls the others. Requests join and leave between steps; a cancelled one leaves at the next step and frees its
+slot. `generate` (generate.py) is this core with a batch of one: one code path for the CLI, the bench and the
+server.
+
+The core never calls back into its caller: a request's cancellation is a field the core reads; its new tokens,
+stats and result are fields the caller reads after each step.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GenerateConfig, SpecConfig
+from .cost_model import CostModel
+from .engines import SeqInput, chain_input
+from .errors import QueueFull, UserError
+from .kv_cache import KVPool
+from .sampling import make_generator, pick, processed_probs
+from .scheduler import Candidates, Scheduler, allot
+from .stats import Stats
+from .stopping import StopState
+from .tree import DraftTree, compile_tree
+from .verifier import Scored, Verifier, gate_path
+from .verify import Verdict, verify_greedy, verify_sampling
+
+# sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
+Observe = Callable[[DraftTree, Scored | None, Verdict], None]
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    slots: int = 1  # requests decoded at once (KV pool slots)
+    max_len: int = 2048  # positions per slot: prompt + new tokens + a draft tree's room
+    step_tokens: int = 256  # most tokens of a step's tree forward (every request's root and verified nodes)
+    prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
+    max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens only (EOS excluded)
+    stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled"
+    stats: Stats
+    text: str | None = None  # set when a decode function was given
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's whole state. The caller sets the first block (and `cancelled`); the core owns the rest."""
+
+    prompt_ids: list[int]  # [n]
+    cfg: GenerateConfig
+    eos_ids: frozenset[int] = frozenset()
+    spec: SpecConfig = SpecConfig()
+    drafter: object | None = None  # drafters.Drafter; None: plain decoding
+    verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
+    observe: Observe | None = None  # sees every verified step (calibration)
+    cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
+    # ---- the core's
+    stats: Stats = field(default_factory=Stats)  # filled in as the request runs
+    outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
+    stop: StopState | None = None
+    sched: Scheduler | None = None
+    gen: torch.Generator | None = None
+    slot: int | None = None
+    target: object | None = None  # the target engine bound to the slot's cache
+    room: int = 0  # positions the request may use: prompt + new tokens + a tree
+    prefilled: int = 0  # prompt tokens run so far
+    root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
+    behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
+    t0: float = 0.0
+    finished: bool = False
+
+    def take(self) -> list[int]:
+        """Committed tokens since the last take."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    @property
+    def can_score(self) -> bool:
+        return self.verifier is not None and (self.verifier.head is not None or self.spec.verifier == "on")
+
+    def result(self) -> GenerationResult:
+        reason = "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
+        text = self.stop.text() if self.decode and self.stop.reason else None
+        return GenerationResult(list(self.stop.tokens), reason, self.stats, text)
+
+
+@dataclass
+class Draft:
+    """A decoding request's proposal this step."""
+
+    proposed: DraftTree
+    scored: Scored | None
+    gated: list[int]  # gate mode: the path the verifier alone accepts (lossy); [] otherwise
+    cands: Candidates | None  # what the allotment may verify (None when gated)
+    speculated: bool
+    propose_s: float
+    score_s: float
+
+
+def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
+    """New tokens allowed: max_new_tokens, clipped to the context window. Validates the prompt length."""
+    if prompt_len == 0:
+        raise UserError("the prompt encodes to no tokens: pass some text")
+    if prompt_len >= context:
+        raise UserError(f"the prompt has {prompt_len} tokens but the context window is {context}: shorten it")
+    return min(cfg.max_new_tokens, context - prompt_len)
+
+
+def room(prompt_len: int, max_new: int, spec: SpecConfig) -> int:
+    """KV positions a request may need: its prompt, its new tokens, one step's tree and catch-up tokens."""
+    return prompt_len + max_new + spec.tree_budget + spec.tree_depth + 1
+
+
+class EngineCore:
+    def __init__(self, engine, context: int, cfg: CoreConfig = CoreConfig()) -> None:
+        self.engine, self.context, self.cfg = engine, context, cfg  # engine: stateless over the pool's slots
+        self.pool: KVPool = engine.make_pool(cfg.slots, cfg.max_len)
+        self.costs = CostModel()  # target forward seconds by tokens, shared by every request's scheduler
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
+
+    def add(self, r: Request) -> Request:
+        """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
+        max_new = budget(len(r.prompt_ids), r.cfg, self.context)
+        r.room = room(len(r.prompt_ids), max_new, r.spec)
+        if r.room > self.pool.max_len:
+            raise UserError(f"the request needs {r.room} KV positions (prompt {len(r.prompt_ids)} + max_tokens "
+                            f"{max_new} + a draft tree) and a slot holds {self.pool.max_len}: shorten it")
+        if len(self.waiting) >= self.cfg.max_queue + len(self.pool.free):  # free slots take them at the next step
+            raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
+                            f"(max_queue): retry later")
+        r.stop = StopState(r.eos_ids, max_new, r.cfg.stop_strings, r.decode)
+        r.sched = Scheduler(r.spec, greedy=r.cfg.sampling.greedy, costs=self.costs)
+        r.gen = make_generator(r.cfg.sampling.seed)
+        r.t0 = time.perf_counter()
+        self.waiting.append(r)
+        return r
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
+
+    def step(self) -> list[Request]:
+        """One step over every active request; returns the requests that finished (or left) in it."""
+        done = self.retire([r for r in (*self.waiting, *self.active) if r.cancelled])
+        self.admit()
+        decoding = [r for r in self.active if r.root is not None]
+        prefilling = [r for r in self.active if r.root is None]
+        drafts = [self.propose(r) for r in decoding]
+        counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens)
+        trees = {r: self.tree_input(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
+        t = time.perf_counter()
+        logits = dict(zip(trees, self.engine.forward_batch([s for _, s in trees.values()]))) if trees else {}
+        verify_s = time.perf_counter() - t
+        if trees:
+            self.batch_tokens = sum(len(s.tokens) for _, s in trees.values())
+            self.costs.record(self.batch_tokens, verify_s)
+        for r, d in zip(decoding, drafts):
+            self.commit(r, d, *trees.get(r, (None, None)), logits.get(r), verify_s)
+        self.prefill(prefilling)
+        return done + self.retire([r for r in self.active if r.stop.reason is not None])
+
+    def admit(self) -> None:
+        while self.waiting and (slot := self.pool.take()) is not None:
+            r = self.waiting.popleft()
+            r.slot, r.target = slot, self.engine.fresh()
+            r.target.cache = self.pool.caches[slot]
+            self.active.append(r)
+
+    def retire(self, leaving: list[Request]) -> list[Request]:
+        now = time.perf_counter()
+        for r in leaving:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            else:
+                self.active.remove(r)
+                self.pool.give_back(r.slot)
+                r.slot, r.target = None, None
+            st, sc = r.stats, r.sched
+            st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \
+                sc.verifier_offs
+            r.finished = True
+        return leaving
+
+    def propose(self, r: Request) -> Draft:
+        t = time.perf_counter()
+        speculate = r.drafter is not None and r.sched.speculate()
+        proposed = r.drafter.propose(r.root, r.sched.shape()) if speculate else DraftTree.root_only(r.root)
+        t_score = time.perf_counter()
+        gate = r.spec.gate_tau > 0
+        scoring = speculate and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
+        scored = r.verifier.score(r.target, r.behind, proposed, r.sched.recent, [*r.prompt_ids, *r.stop.tokens],
+                                  len(r.prompt_ids)) if scoring else None
+        gated = gate_path(proposed, scored, r.spec.gate_tau) if gate and scored else []
+        survival = None if scored is None else scored.survival
+        cands = None if gated else r.sched.candidates(proposed, r.cfg.sampling.greedy, survival)
+        return Draft(proposed, scored, gated, cands, speculate, t_score - t, time.perf_counter() - t_score)
+
+    def tree_input(self, r: Request, d: Draft, count: int) -> tuple[list[int], SeqInput]:
+        """The verified nodes (`keep`, indices into the proposal) and the forward's input: behind + the tree."""
+        keep = r.sched.kept(d.proposed, d.cands, count)
+        full = d.proposed.subtree(keep).after(r.behind)
+        buf = compile_tree(full.parents, r.target.length)
+        return keep, SeqInput(r.target.cache, full.tokens, tuple(buf.position_ids[0].tolist()), buf.ancestors)
+
+    def commit(self, r: Request, d: Draft, keep: list[int] | None, seq: SeqInput | None,
+               logits: torch.Tensor | None, verify_s: float) -> None:
+        """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover."""
+        t = time.perf_counter()
+        if d.gated:  # lossy gate mode: the verifier alone accepts; the target runs these tokens in its next pass
+            keep, tree = list(range(len(d.proposed))), d.proposed
+            path = d.gated
+            verdict = Verdict((0, *path[:-1]), tuple(tree.tokens[i] for i in path[:-1]), tree.tokens[path[-1]])
+            r.behind += [tree.tokens[i] for i in verdict.path]
+        else:
+            b, tree = len(r.behind), d.proposed.subtree(keep)
+            verdict = verify(tree, compile_tree(tree.parents, 0).children, logits[b:], r.cfg, r.gen)
+            r.target.commit(list(range(b)) + [b + i for i in verdict.path])
+            r.behind = []
+        if r.drafter is not None:
+            r.drafter.commit(d.proposed, verdict.renumber(keep))
+        verify_s += time.perf_counter() - t
+        r.stats.add_times(d.propose_s, d.score_s, verify_s, d.scored is not None)
+        if not d.gated:
+            if r.observe is not None:
+                r.observe(d.proposed, d.scored, verdict.renumber(keep))
+            r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
+                           d.score_s if d.scored is not None else None)
+        r.root = verdict.bonus
+        emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
+             accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))
+
+    def prefill(self, joining: list[Request]) -> None:
+        """Run the next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all) in one forward;
+        a request whose prompt is done picks its first token (free) and starts its drafter."""
+        left, chunks = self.cfg.prefill_tokens, []
+        for r in joining:
+            n = min(len(r.prompt_ids) - r.prefilled, left)
+            if n <= 0:
+                break
+            chunks.append((r, chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n])))
+            left -= n
+        if not chunks:
+            return
+        for (r, s), logits in zip(chunks, self.engine.forward_batch([s for _, s in chunks])):
+            r.target.commit()
+            r.prefilled += len(s.tokens)
+            if r.prefilled < len(r.prompt_ids):
+                continue
+            r.root = pick(logits[-1], r.cfg.sampling, r.gen)
+            if r.drafter is not None:
+                r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.target)
+            r.stats.prefill_s = time.perf_counter() - r.t0
+            emit(r, [r.root], draft=0, accepted=0)
+
+
+def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
+    if cfg.sampling.greedy:
+        return verify_greedy(tree, children, logits)
+    return verify_sampling(tree, children, processed_probs(logits, cfg.sampling), gen)
+
+
+def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:
+    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox."""
+    kept = r.stop.add(committed)
+    if kept:
+        r.stats.record_step(draft, accepted, gated)
+        r.stats.committed_tokens += len(kept)
+        r.outbox += kept

@@ -1,0 +1,133 @@
+"""The engine core on tiny seeded random models: many requests stepped together give each one exactly the tokens it
+gets alone (greedy, and sampling with a seed), whatever joins, leaves, queues or is cancelled; the batched forward
+of every engine equals its one-sequence forward; slots come back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.drafters import ModelDrafter, NgramDrafter
+from spork_trt.engines import chain_input
+from spork_trt.engines.onnx_engine import OnnxEngine
+from spork_trt.engines.torch_engine import TorchEngine
+from spork_trt.errors import QueueFull, UserError
+from spork_trt.export.onnx_graph import export_onnx
+from spork_trt.generate import generate
+from spork_trt.sampling import make_generator
+from spork_trt.weights import random_checkpoint
+from tests.conftest import tiny_config
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31], [7, 8]]
+LENGTHS = [30, 12, 25, 18, 40]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = random_checkpoint(tiny_config(), seed=5, scale=8.0).model
+    graph = export_onnx(model, tmp_path_factory.mktemp("core") / "target.onnx")
+    early = export_onnx(model, tmp_path_factory.mktemp("core") / "early.onnx", n_layers=1)
+    return model, graph, early
+
+
+def engine(tiny, kind: str):
+    model, graph, _ = tiny
+    return TorchEngine(model) if kind == "torch" else OnnxEngine(graph, model.cfg)
+
+
+def drafter(tiny, kind: str, draft: str, sampling: SamplingConfig):
+    model, _, early = tiny
+    if draft == "plain":
+        return None
+    if draft == "ngram":
+        return NgramDrafter(4)
+    eng = TorchEngine(model, exit_layer=1) if kind == "torch" else OnnxEngine(early, model.cfg, n_layers=1)
+    seed = None if sampling.seed is None else sampling.seed + 1
+    return ModelDrafter(eng, sampling, make_generator(seed), share_prompt=True)
+
+
+def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig()) -> Request:
+    cfg = GenerateConfig(max_new_tokens=LENGTHS[i], sampling=sampling)
+    spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
+    return Request(PROMPTS[i], cfg, frozenset(), spec, drafter(tiny, kind, draft, sampling))
+
+
+def run_core(core: EngineCore, requests: list[Request], join_at: dict[int, int] | None = None) -> dict:
+    """Step until every request is done; request i joins at step join_at[i] (default 0)."""
+    join_at, steps, out = join_at or {}, 0, {}
+    pending = list(range(len(requests)))
+    while pending or not core.idle:
+        for i in [i for i in pending if join_at.get(i, 0) <= steps]:
+            core.add(requests[i])
+            pending.remove(i)
+        for r in core.step():
+            out[requests.index(r)] = r.result()
+        steps += 1
+        assert steps < 2000
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torch", "onnx"])
+def test_forward_batch_equals_one_sequence_forwards(tiny, kind):
+    eng = engine(tiny, kind)
+    pool = eng.make_pool(3, 64)
+    alone = eng.make_pool(3, 64)
+    seqs = [chain_input(pool.caches[i], p) for i, p in enumerate(PROMPTS[:3])]
+    got = eng.forward_batch(seqs)
+    want = [eng.forward_batch([chain_input(alone.caches[i], p)])[0] for i, p in enumerate(PROMPTS[:3])]
+    for g, w, p in zip(got, want, PROMPTS):
+        assert g.shape == (len(p), eng.cfg.vocab_size)
+        assert torch.allclose(g, w, atol=1e-4), (g - w).abs().max()
+    for c, a, p in zip(pool.caches, alone.caches, PROMPTS):
+        assert c.pending == a.pending == len(p)
+        k, ka = torch.as_tensor(c.k), torch.as_tensor(a.k)
+        assert torch.allclose(k, ka, atol=1e-5)  # the new rows went into each sequence's own slot
+
+
+@pytest.mark.parametrize("kind", ["torch", "onnx"])
+def test_batched_requests_equal_each_request_alone(tiny, kind):
+    """Five requests (plain, n-gram, early-exit drafts) on three slots with small prefill chunks: some queue, some
+    join mid-run; each one's tokens equal plain greedy decoding of it alone."""
+    draws = ["ngram", "plain", "early", "ngram", "early"]
+    want = [generate(engine(tiny, kind), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
+            for i in range(5)]
+    core = EngineCore(engine(tiny, kind), 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
+    reqs = [request(tiny, kind, i, d) for i, d in enumerate(draws)]
+    out = run_core(core, reqs, join_at={3: 4, 4: 9})
+    assert [out[i].token_ids for i in range(5)] == want
+    assert sum(out[i].stats.draft_tokens for i in range(5)) > 0 and core.pool.in_use == 0
+
+
+def test_sampled_requests_draw_the_same_tokens_batched_as_alone(tiny):
+    sampling = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    alone = [EngineCore(engine(tiny, "torch"), 256, CoreConfig(max_len=96)) for _ in range(3)]
+    want = [run_core(c, [request(tiny, "torch", i, "early", sampling[i])])[0].token_ids for i, c in enumerate(alone)]
+    core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=3, max_len=96))
+    out = run_core(core, [request(tiny, "torch", i, "early", sampling[i]) for i in range(3)])
+    assert [out[i].token_ids for i in range(3)] == want
+
+
+def test_cancel_frees_the_slot_and_a_full_queue_refuses(tiny):
+    core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=1, max_len=96, max_queue=1))
+    first = core.add(request(tiny, "torch", 0, "ngram"))
+    second = core.add(request(tiny, "torch", 1, "plain"))
+    with pytest.raises(QueueFull, match="1 requests wait"):
+        core.add(request(tiny, "torch", 2, "plain"))
+    core.step()
+    core.step()
+    assert core.pool.in_use == 1 and first.take() and not second.take()  # the second waits for the slot
+    first.cancelled = True
+    assert core.step() == [first] and first.result().stop_reason == "cancelled"
+    while not second.finished:
+        core.step()
+    assert second.result().token_ids == generate(engine(tiny, "torch"), PROMPTS[1],
+                                                 GenerateConfig(max_new_tokens=LENGTHS[1]), frozenset()).token_ids
+    assert core.pool.in_use == 0 and core.idle
+
+
+def test_a_request_too_long_for_a_slot_is_refused_with_the_fix(tiny):
+    core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=1, max_len=40))
+    with pytest.raises(UserError, match="shorten it"):
+        core.add(request(tiny, "torch", 4, "ngram"))
+    assert core.idle
