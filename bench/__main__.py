@@ -10,7 +10,9 @@ EXAMPLES = """examples:
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
-  python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency
+  python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency,
+                                                          # batching server vs a one-at-a-time one (--max-batch 1)
+  python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
   python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
@@ -89,8 +91,26 @@ def main(argv=None) -> int:
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(sv)
     sv.set_defaults(limit=16, engines="engines/default")
-    sv.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of client counts")
+    sv.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma list of client counts")
+    sv.add_argument("--slots", type=int, default=32, help="KV slots of the batching server (default: %(default)s)")
+    sv.add_argument("--max-batch", type=int, default=1,
+                    help="slots of the reference server measured in the same run (default: %(default)s, one request "
+                         "at a time; 0 skips it)")
+    sv.add_argument("--reference-concurrency", default="1,16",
+                    help="client counts for the reference server (default: %(default)s)")
     sv.add_argument("--modes", default="spork,plain", help="spec_mode values to compare")
+    sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(sk)
+    sk.set_defaults(limit=8, engines="engines/default")
+    sk.add_argument("--clients", type=int, default=32)
+    sk.add_argument("--duration", type=float, default=600.0, help="seconds (default: %(default)s)")
+    sk.add_argument("--slots", type=int, default=16, help="KV slots of the server (default: %(default)s)")
+    sk.add_argument("--bad", type=float, default=0.15, help="share of bad requests (default: %(default)s)")
+    sk.add_argument("--cancel", type=float, default=0.15, help="share of cancelled streams (default: %(default)s)")
+    sk.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    sk.add_argument("--out", default="results/soak")
+    sk.add_argument("--json", action="store_true")
     sv.add_argument("--out", default="results/serve")
     sv.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -103,6 +123,10 @@ def main(argv=None) -> int:
             from . import serve
 
             return serve.main(args)
+        if args.command == "soak":
+            from . import soak
+
+            return soak.main(args)
         if args.command == "costs":
             from . import costs
 

@@ -109,12 +109,13 @@ def histogram_plot(recs: dict, path: Path) -> Path:
 def latency_plot(serve: dict, path: Path) -> Path:
     p = plt()
     fig, (ax1, ax2) = p.subplots(1, 2, figsize=(10, 4))
-    for mode in sorted({r["mode"] for r in serve["levels"]}):
-        rows = sorted((r for r in serve["levels"] if r["mode"] == mode), key=lambda r: r["concurrency"])
-        cs = [r["concurrency"] for r in rows]
-        line = ax1.plot(cs, [r["e2e_p50_s"] for r in rows], "o-", label=f"{mode} p50")[0]
-        ax1.plot(cs, [r["e2e_p90_s"] for r in rows], "s--", color=line.get_color(), label=f"{mode} p90")
-        ax2.plot(cs, [r["output_tokens_per_second"] for r in rows], "o-", color=line.get_color(), label=mode)
+    for key in sorted({(r.get("server", ""), r["mode"]) for r in serve["levels"]}):
+        rows = sorted((r for r in serve["levels"] if (r.get("server", ""), r["mode"]) == key),
+                      key=lambda r: r["concurrency"])
+        cs, name = [r["concurrency"] for r in rows], " ".join(k for k in key if k)
+        line = ax1.plot(cs, [r["e2e_p50_s"] for r in rows], "o-", label=f"{name} p50")[0]
+        ax1.plot(cs, [r["e2e_p90_s"] for r in rows], "s--", color=line.get_color(), label=f"{name} p90")
+        ax2.plot(cs, [r["output_tokens_per_second"] for r in rows], "o-", color=line.get_color(), label=name)
     ax1.set(xscale="log", xlabel="concurrent clients", ylabel="end-to-end latency (s)")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s (all clients)")
     return finish(fig, [ax1, ax2], path)

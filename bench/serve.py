@@ -1,11 +1,13 @@
-"""`python -m bench serve`: the served ensemble under load, spork vs plain at each concurrency, plus local
-`generate` on the same prompts (the Triton overhead at one client).
+"""`python -m bench serve`: the served ensemble under load, spork vs plain at each concurrency, on the batching
+server (one engine core with `--slots` KV slots) and, in the same run, on a one-at-a-time reference server
+(`--max-batch 1`: one slot, requests queue), plus local `generate` on the same prompts (the Triton overhead).
 
 Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming. A warm-up
 burst per mode at the highest concurrency is excluded; it also brings the engines' memory arenas to their
 working-set peak, so the memory figures show growth per request, not the first peak. Per request: time to first
-text, end-to-end time, output tokens (steps x mean accepted length, from the response's stats). The server's
-resident memory (tritonserver plus its python stubs) is read after warm-up and after the sweep.
+text, end-to-end time, output tokens (steps x mean accepted length, from the response's stats). Per level, from
+the server's Prometheus metrics: the mean batch size (requests in a step, averaged over the level's steps). The
+server's resident memory (tritonserver plus its python stubs) is read after warm-up and after the sweep.
 """
 from __future__ import annotations
 
@@ -44,17 +46,32 @@ def one(prompt: str, cfg: ClientConfig) -> dict:
             "text": r.text}
 
 
-def level(prompts: list[str], mode: str, conc: int, url: str, max_tokens: int) -> dict:
-    cfg = ClientConfig(url=url, protocol="grpc", stream=True, max_tokens=max_tokens, spec_mode=mode)
+def core_counters(metrics_port: int) -> dict[str, float]:
+    """The spork model's step counters (summed over its instances)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    names = ("spork_steps_total", "spork_active_request_steps_total")
+    return {n: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(n + "{")) for n in names}
+
+
+def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, label: str = "") -> dict:
+    cfg = ClientConfig(url=server.grpc_url, protocol="grpc", stream=True, max_tokens=max_tokens, spec_mode=mode)
     n = max(len(prompts), conc)
     work = [prompts[k % len(prompts)] for k in range(n)]
+    before = core_counters(server.cfg.metrics_port)
     t = time.perf_counter()
     with ThreadPoolExecutor(conc) as pool:
         rows = list(pool.map(lambda p: one(p, cfg), work))
     wall = time.perf_counter() - t
+    after = core_counters(server.cfg.metrics_port)
+    steps = after["spork_steps_total"] - before["spork_steps_total"]
+    batch = (after["spork_active_request_steps_total"] - before["spork_active_request_steps_total"]) / max(steps, 1)
     e2e = [r["e2e_s"] for r in rows]
     drafted = sum(r["drafted"] for r in rows)
-    return {"mode": mode, "concurrency": conc, "requests": n, "wall_s": round(wall, 3),
+    return {"server": label, "mode": mode, "concurrency": conc, "requests": n, "wall_s": round(wall, 3),
+            "mean_batch_size": round(batch, 2),
             "requests_per_second": round(n / wall, 3),
             "output_tokens_per_second": round(sum(r["tokens"] for r in rows) / wall, 2),
             "ttft_p50_s": round(pct([r["ttft_s"] for r in rows], 50), 3),
@@ -85,10 +102,12 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> 
 
 
 def table(s: dict) -> str:
-    lines = ["| mode | concurrency | requests/s | output tokens/s | TTFT p50 s | ITL mean ms | e2e p50 s | e2e p90 s "
-             "| e2e p99 s | acceptance |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| server | mode | concurrency | mean batch | requests/s | output tokens/s | TTFT p50 s | ITL mean ms "
+             "| e2e p50 s | e2e p90 s | e2e p99 s | acceptance |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in s["levels"]:
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests_per_second']:.2f} | "
+        lines.append(f"| {r.get('server', '')} | {r['mode']} | {r['concurrency']} | {r.get('mean_batch_size', 1):.1f} "
+                     f"| {r['requests_per_second']:.2f} | "
                      f"{r['output_tokens_per_second']:.1f} | {r['ttft_p50_s']:.2f} | {r['itl_mean_s'] * 1000:.1f} | "
                      f"{r['e2e_p50_s']:.2f} | {r['e2e_p90_s']:.2f} | {r['e2e_p99_s']:.2f} | "
                      f"{r['acceptance_rate']:.2f} |")
@@ -96,39 +115,62 @@ def table(s: dict) -> str:
         lines.append(f"\n{mode}: local generate {o['local_tokens_per_second']:.1f} tokens/s, through Triton at "
                      f"concurrency 1 {o['served_tokens_per_second']:.1f} tokens/s ({o['served_vs_local']:.2f}x); "
                      f"same text: {o['same_text']}")
-    m = s["server_rss_mb"]
-    lines.append(f"\nserver resident memory: {m['after_warmup']:.0f} MB after warm-up, {m['after_sweep']:.0f} MB after "
-                 f"the sweep ({m['growth']:+.1%})")
+    rss = s["server_rss_mb"]
+    for label, m in ({"": rss} if "after_warmup" in rss else rss).items():  # older summaries: one server
+        lines.append(f"\n{label + ' ' if label else ''}server resident memory: {m['after_warmup']:.0f} MB after warm-up, "
+                     f"{m['after_sweep']:.0f} MB after the sweep ({m['growth']:+.1%})")
     return "\n".join(lines)
+
+
+def sweep(server, prompts: list[str], modes: list[str], levels: list[int], max_tokens: int, label: str) -> tuple:
+    """Every (concurrency, mode) level on one server; returns (rows, resident memory figures)."""
+    for mode in modes:  # warm-up at the highest concurrency: the engines' memory arenas reach their peak
+        level(prompts, mode, max(levels), server, 16, label)
+    rss0 = tree_rss_mb(server.proc.pid)
+    rows = []
+    for conc in levels:
+        for mode in modes:
+            print(f"[bench serve] {label}: {mode} at concurrency {conc}", file=sys.stderr, flush=True)
+            rows.append(level(prompts, mode, conc, server, max_tokens, label))
+    rss1 = tree_rss_mb(server.proc.pid)
+    return rows, {"after_warmup": round(rss0, 1), "after_sweep": round(rss1, 1), "growth": round(rss1 / rss0 - 1, 4)}
+
+
+def levels_arg(text: str, flag: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",") if c]
+    except ValueError:
+        levels = []
+    if not levels or any(c < 1 for c in levels):
+        raise UserError(f"{flag} takes a comma list of positive integers, got {text!r}")
+    return levels
 
 
 def main(a) -> int:
     from spork_trt.serve import ServerConfig, TritonServer, free_port
+    from spork_trt.triton_repo import RepoConfig, render
 
     engines = Path(a.engines or "engines/default")
-    levels = [int(c) for c in a.concurrency.split(",")]
-    if any(c < 1 for c in levels):
-        raise UserError(f"--concurrency takes positive integers, got {a.concurrency}")
+    levels = levels_arg(a.concurrency, "--concurrency")
+    reference = levels_arg(a.reference_concurrency, "--reference-concurrency") if a.max_batch else []
     modes = a.modes.split(",")
     prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
-    repo = engines / "triton_repo"
-    cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    servers = [(f"batched ({a.slots} slots)", a.slots, levels)]
+    if reference:
+        servers.append((f"max-batch {a.max_batch}", a.max_batch, reference))
     summary = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-               "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": []}
-    print(f"[bench serve] starting Triton on {repo}", file=sys.stderr, flush=True)
-    with TritonServer(cfg) as server:
-        for mode in modes:  # warm-up at the highest concurrency: the engines' memory arenas reach their peak
-            level(prompts, mode, max(levels), server.grpc_url, 16)
-        rss0 = tree_rss_mb(server.proc.pid)
-        for conc in levels:
-            for mode in modes:
-                print(f"[bench serve] {mode} at concurrency {conc}", file=sys.stderr, flush=True)
-                summary["levels"].append(level(prompts, mode, conc, server.grpc_url, a.max_new_tokens))
-        rss1 = tree_rss_mb(server.proc.pid)
-    summary["server_rss_mb"] = {"after_warmup": round(rss0, 1), "after_sweep": round(rss1, 1),
-                                "growth": round(rss1 / rss0 - 1, 4)}
+               "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": [],
+               "server_rss_mb": {}}
+    for label, slots, conc in servers:
+        repo = render(RepoConfig(engines, out / f"repo-{slots}-slots", slots=slots, max_queue=max(conc)))
+        cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+        print(f"[bench serve] starting Triton on {repo} ({label})", file=sys.stderr, flush=True)
+        with TritonServer(cfg) as server:
+            rows, rss = sweep(server, prompts, modes, conc, a.max_new_tokens, label)
+        summary["levels"] += rows
+        summary["server_rss_mb"][label] = rss
     summary["overhead"] = {}
     for mode in modes:
         print(f"[bench serve] local generate ({mode})", file=sys.stderr, flush=True)
@@ -140,10 +182,23 @@ def main(a) -> int:
                 "served_tokens_per_second": served["output_tokens_per_second"],
                 "served_vs_local": round(served["output_tokens_per_second"] / local["tokens_per_second"], 3),
                 "same_text": served["texts"][:len(prompts)] == local["texts"]}
+    summary["same_text_across_levels"] = same_text_across_levels(summary["levels"], len(prompts))
     for r in summary["levels"]:
         r.pop("texts")
     summary["command"] = command()
     (out / "serve_summary.json").write_text(json.dumps(summary, indent=1))
     (out / "serve_summary.md").write_text(table(summary) + "\n")
+    from .report import latency_plot
+
+    latency_plot(summary, out / "serve.png")
     print(json.dumps(summary) if a.json else table(summary))
     return 0
+
+
+def same_text_across_levels(levels: list[dict], n: int) -> dict[str, bool]:
+    """Per mode: every level and server gave each prompt the same text (greedy: batching changes nothing)."""
+    out = {}
+    for mode in sorted({r["mode"] for r in levels}):
+        texts = [[r["texts"][k] for k in range(n)] for r in levels if r["mode"] == mode]
+        out[mode] = all(t == texts[0] for t in texts)
+    return out

@@ -152,33 +152,47 @@ class ModelDrafter:
 
 @dataclass
 class NgramDrafter:
-    """Prompt lookup: continuations of the latest matches of the context's suffix (longest n first)."""
+    """Prompt lookup: continuations of the latest matches of the context's suffix (longest n first).
+
+    An index of the context's n-grams (n = 1..max_n, start positions ascending) grows with every commit, so a
+    proposal costs O(max_n + matches it reads), not a scan of the whole context."""
 
     max_n: int = 4
     min_n: int = 1  # shortest suffix worth matching
     context: list[int] = field(default_factory=list)
+    index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> start positions, ascending
 
     def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
-        self.context = list(prompt_ids)
+        self.context, self.index = [], {}
+        self.extend(prompt_ids)
+
+    def extend(self, tokens: list[int]) -> None:
+        ctx = self.context
+        for t in tokens:
+            ctx.append(t)
+            end = len(ctx)
+            for n in range(1, min(self.max_n, end) + 1):
+                self.index.setdefault(tuple(ctx[end - n:end]), []).append(end - n)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
-        ctx = self.context + [root]
+        ctx = self.context
         conts: list[list[int]] = []
         scores: list[float] = []  # per continuation: its matched suffix length / max_n
-        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
-            suffix = ctx[-n:]
-            for i in range(len(ctx) - n - 1, -1, -1):  # latest match first
-                if ctx[i:i + n] == suffix:
-                    cont = ctx[i + n:i + n + spec.tree_depth]
-                    if cont and not any(c[:len(cont)] == cont for c in conts):
-                        conts.append(cont)
-                        scores.append(n / self.max_n)
-                        if len(conts) >= spec.tree_width:
-                            return trie(root, conts, spec.tree_budget, scores)
+        for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+            suffix = (*ctx[len(ctx) - n + 1:], root)  # the last n tokens of context + root
+            for i in reversed(self.index.get(suffix, ())):  # latest match first; it ends inside the context
+                cont = ctx[i + n:i + n + spec.tree_depth]
+                if len(cont) < spec.tree_depth and i + n + len(cont) == len(ctx):
+                    cont.append(root)  # the continuation runs into the root itself
+                if cont and not any(c[:len(cont)] == cont for c in conts):
+                    conts.append(cont)
+                    scores.append(n / self.max_n)
+                    if len(conts) >= spec.tree_width:
+                        return trie(root, conts, spec.tree_budget, scores)
         return trie(root, conts, spec.tree_budget, scores)
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
-        self.context += [tree.tokens[i] for i in verdict.path]
+        self.extend([tree.tokens[i] for i in verdict.path])
 
 
 @dataclass

@@ -58,7 +58,9 @@ class TritonTensor:
     optional: bool = False
 
 
-TEXT_INPUT = TritonTensor("text_input", "STRING", (1,))
+# optional only so that preprocessing answers a request without it with a 400 naming it (Triton's own refusal of a
+# missing required input reaches the HTTP generate endpoint as a 200 with an unrelated error)
+TEXT_INPUT = TritonTensor("text_input", "STRING", (1,), optional=True)
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
     TritonTensor("max_tokens", "INT32", (1,), optional=True),
     TritonTensor("temperature", "FP32", (1,), optional=True),  # 0 (the default) means greedy
@@ -78,8 +80,10 @@ STATS_OUTPUTS = (  # from the spork step straight to the client, in every respon
 )
 TEXT_OUTPUT = TritonTensor("text_output", "STRING", (1,))
 PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
-OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))  # spork -> postprocessing: every token generated so far
-SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of them the previous response carried
+# spork -> postprocessing: the response's new tokens after a few already sent (service.DETOKENIZE_CONTEXT), so the
+# text they add is decoded from a short window, not the whole prefix
+OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))
+SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of output_ids earlier responses carried
 FINAL = TritonTensor("final", "BOOL", (1,))  # last response of the request: flush held-back characters
 
 

@@ -21,6 +21,7 @@ class Rows:
         self.max_len = k.shape[axis]
         self.length = 0  # committed rows
         self.pending = 0  # rows written past `length` since the last commit
+        self.generation = 0  # bumped whenever committed rows may be overwritten (truncate, adopt): copies go stale
 
     def written(self, t: int) -> None:
         """A forward stored T rows after the pending ones: they are pending now."""
@@ -56,12 +57,14 @@ class Rows:
         self.k[(slice(None),) + rows] = other.k[(slice(0, layers),) + rows]
         self.v[(slice(None),) + rows] = other.v[(slice(0, layers),) + rows]
         self.length, self.pending = n, 0
+        self.generation += 1
         return True
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` committed rows."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length, self.pending = length, 0
+        self.generation += 1
 
 
 class KVCache(Rows):

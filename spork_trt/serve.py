@@ -103,6 +103,18 @@ def command(cfg: ServerConfig, binary: Binary) -> list[str]:
     return cmd
 
 
+def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process left in a process group and wait (bounded) until the group is gone."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)  # raises once no process of the group is left
+            time.sleep(0.05)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class TritonServer:
     """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
 
@@ -127,7 +139,11 @@ class TritonServer:
         with open(self.cfg.log, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(command(self.cfg, binary), env=binary.env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # Ctrl-C or SIGTERM while starting: nothing may outlive the launcher
+            self.stop(timeout_s=10.0)
+            raise
         return self
 
     def wait_ready(self) -> None:
@@ -151,14 +167,19 @@ class TritonServer:
         return "\n".join(self.cfg.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)  # Triton unloads the models and stops their stubs
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+        """SIGTERM (Triton unloads the models and stops their stubs), SIGKILL after `timeout_s`; then whatever is
+        left of the server's process group (python backend stubs of a server stopped while loading survive
+        SIGTERM) is killed, so the ports are free when this returns."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_group(self.proc.pid)  # start_new_session: the group id is the server's pid
+        return self.proc.wait()
 
     def __enter__(self) -> TritonServer:
         return self.start()

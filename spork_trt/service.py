@@ -23,7 +23,10 @@ from .runtime import Runtime
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
 
-SERVED_MODES = ("spork", "plain")  # the lossy gate mode is a local, opt-in experiment: never served
+SERVED_MODES = ("spork", "plain")
+# tokens already sent that a response repeats before its new ones: enough to finish a multi-byte character split
+# across tokens (at most 4 bytes, each token at least one) and to decode the new tokens as they read in context
+DETOKENIZE_CONTEXT = 6  # the lossy gate mode is a local, opt-in experiment: never served
 
 Inputs = Mapping[str, "np.ndarray | None"]
 
@@ -40,8 +43,8 @@ class ServeRequest:
 class Chunk:
     """One response of the spork step."""
 
-    output_ids: list[int]  # [n] every token generated so far (postprocessing decodes the delta)
-    sent_len: int  # tokens the previous response carried
+    output_ids: list[int]  # [n] the new tokens, after up to DETOKENIZE_CONTEXT already sent (a window)
+    sent_len: int  # how many of output_ids earlier responses carried (postprocessing decodes the rest)
     final: bool
     stats: Stats
     stop_reason: str  # "" until final
@@ -112,8 +115,10 @@ def parse_request(inputs: Inputs, context: int, can_stream: bool = True) -> Serv
     return ServeRequest(prompt_ids, GenerateConfig(max_new_tokens=max_tokens, sampling=sampling), mode, stream)
 
 
-def encode_text(tok: Tokenizer, text_input: np.ndarray) -> np.ndarray:
+def encode_text(tok: Tokenizer, text_input: np.ndarray | None) -> np.ndarray:
     """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template."""
+    if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
+        raise UserError('text_input is missing: send the prompt as "text_input" (a string)')
     if text_input.size != 1:
         raise UserError(f"text_input must hold one string per request, got shape {list(text_input.shape)}")
     raw = text_input.reshape(-1)[0]
@@ -165,7 +170,15 @@ class Ticket:
     close: Callable[[], None]
     cancelled: Callable[[], bool]
     generated: list[int] = field(default_factory=list)  # every token sent or to send
-    sent: int = 0  # tokens the previous response carried
+    sent: int = 0  # tokens the previous responses carried
+
+    def chunk(self, final: bool, stats: Stats, stop_reason: str) -> Chunk:
+        """The next response: the tokens since the last one, after DETOKENIZE_CONTEXT already sent (the text they
+        add is decoded from this window alone, never the whole prefix)."""
+        start = max(0, self.sent - DETOKENIZE_CONTEXT)
+        c = Chunk(self.generated[start:], self.sent - start, final, stats, stop_reason)
+        self.sent = len(self.generated)
+        return c
 
 
 @dataclass
@@ -176,6 +189,7 @@ class Metrics:
     queued: int = 0  # requests waiting for one
     batch_tokens: int = 0  # tokens of the last step's tree forward
     steps: int = 0  # engine core steps so far
+    active_steps: int = 0  # requests in each step, summed over steps (mean batch size = active_steps / steps)
     generated_tokens: int = 0  # tokens committed, all requests
     draft_tokens: int = 0  # draft tokens verified, all finished requests
     accepted_tokens: int = 0  # draft tokens accepted, all finished requests
@@ -188,7 +202,12 @@ class Service:
 
     def __init__(self, runtime: Runtime, spec: SpecConfig, core: CoreConfig = CoreConfig(slots=8)) -> None:
         self.runtime, self.spec = runtime, spec
-        self.core = EngineCore(runtime.engine, runtime.cfg.max_seq_len, core)
+        # the context a request may use: the model's window, or less when the slots are smaller (they also keep
+        # room for one step's tree)
+        self.context = min(runtime.cfg.max_seq_len, core.max_len - (spec.tree_budget + spec.tree_depth + 1))
+        if self.context < 2:
+            raise UserError(f"KV slots of {core.max_len} positions leave no room for a request: raise max_len")
+        self.core = EngineCore(runtime.engine, self.context, core)
         self.metrics = Metrics()
         self._inbox: list[Ticket] = []  # submitted, not yet handed to the core (the loop thread owns the core)
         self._tickets: dict[Request, Ticket] = {}
@@ -219,7 +238,7 @@ class Service:
         """Queue one request; its answers go to `send` (one chunk, or a stream ending with a final one) or `fail`.
         Raises UserError for bad input and QueueFull when every slot is taken and the queue is full, before any
         work."""
-        req = parse_request(inputs, self.runtime.cfg.max_seq_len, can_stream)
+        req = parse_request(inputs, self.context, can_stream)
         request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
         ticket = Ticket(request, req.stream, send, fail, close, cancelled)
         with self._wake:
@@ -313,11 +332,11 @@ class Service:
                 if res.stop_reason == "cancelled":
                     t.close()
                 else:
-                    t.send(Chunk(t.generated, t.sent, True, req.stats, res.stop_reason))
+                    t.send(t.chunk(True, req.stats, res.stop_reason))
             elif t.stream and new:
-                t.send(Chunk(list(t.generated), t.sent, False, req.stats, ""))
-                t.sent = len(t.generated)
+                t.send(t.chunk(False, req.stats, ""))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
+        m.active_steps += len(self.core.active) + len(finished)
         m.generated_tokens += new_tokens
         m.tokens_per_second = ema(m.tokens_per_second or None, new_tokens / max(step_s, 1e-9))

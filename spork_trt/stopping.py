@@ -20,6 +20,9 @@ class StopState:
 
     def __post_init__(self) -> None:
         assert not self.stop_strings or self.decode is not None, "stop strings need a decode function"
+        # a stop string of L characters that first appears with the latest token lies within its last 4L + 2
+        # tokens (a token adds at least one byte, a character is at most 4): only that tail is decoded per token
+        self.window = 4 * max(map(len, self.stop_strings), default=0) + 2
 
     def add(self, new: list[int]) -> list[int]:
         """Append committed tokens; return those kept (a prefix of `new`). Sets `reason` when generation ends."""
@@ -32,11 +35,14 @@ class StopState:
                 break
             self.tokens.append(t)
             kept.append(t)
-            if self.stop_strings and any(s in self.decode(self.tokens) for s in self.stop_strings):
+            if self.stop_strings and self.stopped(self.decode(self.tokens[-self.window:])):
                 self.reason = "stop_string"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.reason = "max_tokens"
         return kept
+
+    def stopped(self, tail: str) -> bool:
+        return any(s in tail for s in self.stop_strings)
 
     def text(self) -> str:
         """The generated text, cut before the first stop string."""

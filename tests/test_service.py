@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spork_trt.errors import UserError
-from spork_trt.service import Chunk, Service, decode_chunk, encode_text, parse_request
+from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Service, decode_chunk, encode_text, parse_request
 from spork_trt.tokenizer import text_delta
 
 CONTEXT = 64
@@ -53,6 +53,8 @@ def test_preprocessing_refuses_empty_and_invalid_utf8(default_tokenizer):
         encode_text(default_tokenizer, one(b"ok \xff\xfe", np.object_))
     with pytest.raises(UserError, match="text_input is empty"):
         encode_text(default_tokenizer, one(b"  \n", np.object_))
+    with pytest.raises(UserError, match='text_input is missing: send the prompt as "text_input"'):
+        encode_text(default_tokenizer, None)
     ids = encode_text(default_tokenizer, one("héllo".encode(), np.object_))
     assert ids.dtype == np.int32 and ids.shape[0] == 1
     assert ids[0].tolist() == default_tokenizer.encode_prompt("héllo")
@@ -96,6 +98,11 @@ def run(service, prompt_ids, max_tokens, stream, cancel_after=None):
     return done, chunks
 
 
+def tokens(chunks: list[Chunk]) -> list[int]:
+    """Every token of a stream: each response's ids after those earlier responses carried."""
+    return [t for c in chunks for t in c.output_ids[c.sent_len:]]
+
+
 @pytest.mark.slow
 def test_stream_and_single_response_match_plain_greedy(service, default_runtime, default_tokenizer):
     from spork_trt.config import GenerateConfig
@@ -106,12 +113,15 @@ def test_stream_and_single_response_match_plain_greedy(service, default_runtime,
     assert done and len(single) == 1 and single[0].final and single[0].output_ids == plain.token_ids
     done, chunks = run(service, prompt, 24, stream=True)
     assert done and chunks[-1].final and not any(c.final for c in chunks[:-1])
-    assert chunks[-1].output_ids == plain.token_ids and chunks[-1].stop_reason == plain.stop_reason
+    assert tokens(chunks) == plain.token_ids  # each token sent once
+    assert all(c.sent_len <= DETOKENIZE_CONTEXT for c in chunks)  # a window, never the whole prefix
+    assert chunks[-1].stop_reason == plain.stop_reason
     text = "".join(decode_chunk(default_tokenizer, np.array([c.output_ids], np.int32), one(c.sent_len, np.int32),
                                 one(c.final, np.bool_))[0, 0].decode() for c in chunks)
     assert text == plain.text
-    st = chunks[-1].tensors()
-    assert st["num_steps"][0, 0] == chunks[-1].stats.steps >= 1 and st["total_draft_tokens"][0, 0] >= 0
+    st, stats = chunks[-1].tensors(), chunks[-1].stats
+    assert st["num_steps"][0, 0] == stats.steps >= 1 and st["total_draft_tokens"][0, 0] == stats.draft_tokens
+    assert st["total_accepted_draft_tokens"][0, 0] == stats.accepted_tokens <= stats.draft_tokens
 
 
 @pytest.mark.slow
@@ -119,8 +129,8 @@ def test_concurrent_requests_have_independent_state(service, default_tokenizer):
     prompts = [default_tokenizer.encode_prompt(p) for p in ("Count to five.", "Name a color.", "Say hi in Spanish.")]
     alone = [run(service, p, 16, stream=False)[1][-1].output_ids for p in prompts]
     got: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, run(service, prompts[k], 16, True)[1][-1]
-                                                                    .output_ids)) for k in range(len(prompts))]
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, tokens(run(service, prompts[k], 16, True)[1])))
+               for k in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:

@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
 from . import CachedEngine, SeqInput
+from .staging import Staging
 
 
 def session_options(threads: int | None = None):
@@ -59,6 +60,8 @@ class OnnxEngine(CachedEngine):
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
         self.logits = np.zeros((1, max_new, cfg.vocab_size), dtype=np.float32)  # [1, Tmax, V]
         self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
+        # past rows of batched forwards (two: the step's tree batch and its prefill batch keep their own)
+        self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim) for _ in range(2)]
 
     @property
     def cfg(self) -> ModelConfig:
@@ -78,27 +81,28 @@ class OnnxEngine(CachedEngine):
 
     def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
         """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), past rows
-        gathered into [B, P, Hkv, D] per layer (P = the longest context; each sequence sees only its own), new rows
-        scattered back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
+        [B, P, Hkv, D] per layer from a Staging (P about the longest context; each sequence sees only its own), new
+        rows scattered back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
         if len(seqs) == 1:
             return super().forward_batch(seqs)
         hkv, d, v = self._cfg.n_kv_heads, self._cfg.head_dim, self._cfg.vocab_size
         b, t = len(seqs), max(len(s.tokens) for s in seqs)
         ctx = [s.context for s in seqs]
-        p = max(ctx)
+        for c, s in zip(ctx, seqs):
+            if c + len(s.tokens) > s.cache.max_len:
+                raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
+        caches = [s.cache for s in seqs]
+        stage = max(self.stagings, key=lambda st: st.overlap(caches))  # the tree batch's and the prefill batch's
+        past = stage.past(caches)  # [K|V, L, Bcap, P, Hkv, D]
+        p = past.shape[3]
         ids, pos = np.zeros((b, t), np.int64), np.zeros((b, t), np.int64)
         mask = np.zeros((b, t, p + t), np.bool_)
         mask[:, np.arange(t), p + np.arange(t)] = True  # a padding row attends to itself only
-        past = self._scratch("past", (2, self.n_layers, b, p, hkv, d))  # [K|V, L, B, P, Hkv, D]
         for i, s in enumerate(seqs):
-            n, c = len(s.tokens), s.cache
-            if ctx[i] + n > c.max_len:
-                raise ValueError(f"KV cache full: {ctx[i] + n} positions needed, {c.max_len} allocated")
+            n = len(s.tokens)
             ids[i, :n], pos[i, :n] = s.tokens, s.positions
             mask[i, :n, :ctx[i]] = True
             mask[i, :n, p:p + n] = s.ancestors.numpy()
-            past[0, :, i, :ctx[i]] = c.k[:, 0, :ctx[i]]
-            past[1, :, i, :ctx[i]] = c.v[:, 0, :ctx[i]]
         new = self._scratch("new", (2, self.n_layers, b, t, hkv, d))  # [K|V, L, B, T, Hkv, D]
         logits = self._scratch("logits", (b, t, v))
         io = self.session.io_binding()
@@ -106,7 +110,7 @@ class OnnxEngine(CachedEngine):
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
-                io.bind_input(pname, "cpu", 0, np.float32, (b, p, hkv, d), past[j, layer].ctypes.data)
+                io.bind_input(pname, "cpu", 0, np.float32, (b, p, hkv, d), past[j, layer, :b].ctypes.data)
                 io.bind_output(nname, "cpu", 0, np.float32, (b, t, hkv, d), new[j, layer].ctypes.data)
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self.session.run_with_iobinding(io)

@@ -1,8 +1,10 @@
 """Triton python model `postprocessing`: the spork step's token ids -> the text this response adds.
-Stateless (every response carries the ids so far and how many were sent before), so a stream never splits a
-multi-byte character. A thin adapter: the logic is spork_trt.service.decode_chunk (tested without Triton)."""
+Stateless (every response carries its new ids after a few already sent, and how many those are), so a stream never
+splits a multi-byte character and never decodes the whole prefix. Each request gets its own response or error.
+A thin adapter: the logic is spork_trt.service.decode_chunk (tested without Triton)."""
 import triton_python_backend_utils as pb_utils
 
+from spork_trt.errors import UserError
 from spork_trt.service import decode_chunk, model_tokenizer
 
 
@@ -12,9 +14,14 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = []
-        for request in requests:
-            ids, sent, final = (pb_utils.get_input_tensor_by_name(request, n).as_numpy()
-                                for n in ("output_ids", "sent_len", "final"))
-            text = decode_chunk(self.tok, ids, sent, final)  # [1, 1] bytes
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
+        for request in requests:  # one request's failure never fails the others
+            try:
+                ids, sent, final = (pb_utils.get_input_tensor_by_name(request, n).as_numpy()
+                                    for n in ("output_ids", "sent_len", "final"))
+                text = decode_chunk(self.tok, ids, sent, final)  # [1, 1] bytes
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
+            except Exception as e:
+                code = pb_utils.TritonError.INVALID_ARG if isinstance(e, UserError) else pb_utils.TritonError.INTERNAL
+                pb_utils.Logger.log_error(f"postprocessing: {e!r}")
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {e}", code)))
         return responses

@@ -14,10 +14,13 @@ class TritonPythonModel:
         responses = []
         for request in requests:  # each request gets its own response, or its own error
             try:
-                text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()  # [1, 1] bytes
-                ids = encode_text(self.tok, text)  # [1, n]
+                text = pb_utils.get_input_tensor_by_name(request, "text_input")  # [1, 1] bytes, or absent
+                ids = encode_text(self.tok, None if text is None else text.as_numpy())  # [1, n]
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids)]))
             except UserError as e:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as e:
+                pb_utils.Logger.log_error(f"preprocessing: {e!r}")
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {e!r}")))
         return responses

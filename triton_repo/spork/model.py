@@ -23,6 +23,7 @@ METRICS = (  # (name, kind, help, Metrics field)
      "tokens_per_second"),
     ("spork_acceptance_rate", "GAUGE", "accepted / verified draft tokens of the finished requests", None),
     ("spork_steps_total", "COUNTER", "engine core steps", "steps"),
+    ("spork_active_request_steps_total", "COUNTER", "requests in each step, summed over steps", "active_steps"),
     ("spork_generated_tokens_total", "COUNTER", "tokens committed, all requests", "generated_tokens"),
 )
 
