@@ -161,14 +161,17 @@ class EngineCore:
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
         drafts = [self.propose(r) for r in decoding]
-        counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens)
+        padded = self.engine.padded_batches
+        counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
+                       padded)
         trees = {r: self.tree_input(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
         t = time.perf_counter()
         logits = dict(zip(trees, self.engine.forward_batch([s for _, s in trees.values()]))) if trees else {}
         verify_s = time.perf_counter() - t
         if trees:
-            self.batch_tokens = sum(len(s.tokens) for _, s in trees.values())
-            self.costs.record(self.batch_tokens, verify_s)
+            sizes = [len(s.tokens) for _, s in trees.values()]
+            self.batch_tokens = sum(sizes)
+            self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
         for r, d in zip(decoding, drafts):
             self.commit(r, d, *trees.get(r, (None, None)), logits.get(r), verify_s)
         self.prefill(prefilling)

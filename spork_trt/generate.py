@@ -26,10 +26,11 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
 
 
 def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> GenerationResult:
-    """Run one request on a one-slot core sized for it; stream its tokens to `on_tokens` after each step."""
+    """Run one request on a one-slot core sized for it; stream its tokens to `on_tokens` after each step. The
+    prompt runs in chunks of CoreConfig.prefill_tokens, as in a batch: logits of at most that many rows exist."""
     context = target.cfg.max_seq_len
     max_len = room(len(r.prompt_ids), budget(len(r.prompt_ids), r.cfg, context), r.spec)
-    core = EngineCore(target, context, CoreConfig(slots=1, max_len=max_len, prefill_tokens=max_len))
+    core = EngineCore(target, context, CoreConfig(slots=1, max_len=max_len))
     core.add(r)
     while not r.finished:
         core.step()

@@ -5,10 +5,10 @@ counts of the target's verdicts; a node's path survival is the product along its
 CostModel (seconds of a target forward by the tokens it runs, all requests together) and moving averages of tokens
 per second of speculative and plain steps. Each step:
   - prune (greedy only): each request offers its nodes most likely first (`candidates`: sorted by path survival, so
-    every node's parent comes first); `allot` takes nodes across ALL requests of the step while expected committed
-    tokens per second of the one target forward grows (goodput): at low load deep trees, at high load the marginal
-    node must beat a whole batch's cost, so trees shrink toward plain per request, never wholesale. Keeping none
-    is a plain step;
+    every node's parent comes first); `allot` sizes every request's tree for the ONE target forward of the step so
+    that expected committed tokens per second of it is highest (goodput; a padded [B, T] forward costs B times its
+    longest tree): at low load deep trees, at high load a longer tree must beat a whole batch's extra cost, so
+    trees shrink toward plain per request, never wholesale. Keeping none is a plain step;
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again;
@@ -53,13 +53,29 @@ class Candidates:
         return sorted([0, *self.order[:count]])
 
 
-def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: int | None = None) -> list[int]:
-    """How many of each request's candidates one target forward verifies: nodes are taken most likely first across
-    all requests while expected committed tokens per second of the forward grows, within `max_tokens` tokens.
-    Every request commits its bonus token (its root is one token of the forward)."""
+def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: int | None = None,
+          padded: bool = False) -> list[int]:
+    """How many of each request's candidates one target forward verifies, so that expected committed tokens per
+    second of the forward is highest (every request commits its bonus token; its root is one token of the
+    forward), within `max_tokens` tokens of forward.
+
+    Packed forwards cost by their total tokens: nodes are taken most likely first across all requests while the
+    rate grows. Padded forwards ([B, T], every request padded to the longest tree) cost B * T whatever the shorter
+    trees hold: the longest allotment m is chosen, and every request gets its best min(m, its nodes), free."""
+    b = len(cands)
     counts = [len(c.order) if c.fixed else 0 for c in cands]
-    tokens = len(cands) + sum(counts)
-    gain = len(cands) + sum(sum(c.survival) for c in cands if c.fixed)
+    gain = b + sum(sum(c.survival) for c in cands if c.fixed)
+    if padded:
+        floor = max(counts, default=0)  # a fixed tree is verified whole: the others are padded to it anyway
+        best, best_m = None, floor
+        for m in range(floor, max((len(c.order) for c in cands), default=0) + 1):
+            if m > floor and max_tokens is not None and b * (1 + m) > max_tokens:
+                break
+            value = (gain + sum(sum(c.survival[:m]) for c in cands if not c.fixed)) / seconds(b * (1 + m))
+            if best is None or value > best:
+                best, best_m = value, m
+        return [n if c.fixed else min(best_m, len(c.order)) for n, c in zip(counts, cands)]
+    tokens = b + sum(counts)
     queue = sorted((-s, r, j) for r, c in enumerate(cands) if not c.fixed for j, s in enumerate(c.survival))
     best, best_m = gain / seconds(tokens), 0
     for m, (neg, _, _) in enumerate(queue, start=1):

@@ -90,6 +90,13 @@ def test_allot_shares_one_forward_by_goodput():
     s = sched()
     s.costs = linear
     assert allot([Candidates((1, 2, 3), (0.9, 0.8, 0.1))], s.costs.seconds) == [2]
+    # padded [B, T]: one node each, 2 x 2 tokens, brings 0.9 + 0.7 for 0.6 more (3.6 / 1.9 = 1.89 tokens per unit,
+    # up from 2 / 1.3); a second each brings 0.8 + 0.05 for 0.6 more (4.45 / 2.5 = 1.78): not worth it
+    assert allot([a, b], linear.seconds, padded=True) == [1, 1]
+    assert allot([a, Candidates((4,), (0.7,))], lambda n: 1.0 + 0.05 * n, padded=True) == [2, 1]  # cheap rows: 2 deep
+    assert allot([a, b], lambda n: float(n), padded=True) == [0, 0]  # cost per token: no node pays for itself
+    assert allot([a, b, fixed], lambda n: float(n), padded=True) == [2, 2, 2]  # the fixed tree pads them all
+    assert allot([a, b], lambda n: 1.0, max_tokens=5, padded=True) == [1, 1]  # 2 x 2 tokens fit, 2 x 3 do not
 
 
 def test_cost_model_interpolates_and_never_makes_more_tokens_cheaper():

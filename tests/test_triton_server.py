@@ -199,6 +199,19 @@ def test_32_concurrent_mixed_requests_are_lossless_under_batching(server, defaul
             assert gap < 1e-4, (j, gap, text, want)
             ties.append((j[0][:40], gap))
     print(f"near-ties counted as identical: {ties}")
+    steps, request_steps = (spork_metric(server, n) for n in ("spork_steps_total", "spork_active_request_steps_total"))
+    assert steps > 0 and request_steps / steps > 2  # the engine core stepped requests together
+    deadline = time.monotonic() + 10
+    while spork_metric(server, "spork_active_requests") or spork_metric(server, "spork_queued_requests"):
+        assert time.monotonic() < deadline, "slots still in use after every request was answered"
+        time.sleep(0.2)
+
+
+def spork_metric(server, name: str) -> float:
+    """One of the spork model's own Prometheus metrics, summed over its instances."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.cfg.metrics_port}/metrics", timeout=30) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith(name + "{"))
 
 
 def metric(server, name: str) -> float:

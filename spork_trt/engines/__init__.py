@@ -54,6 +54,8 @@ class CachedEngine(ABC):
     """What every engine shares: KV row bookkeeping, delegated to its cache (a kv_cache.Rows)."""
 
     cache: Rows | None = None
+    # forward_batch pads every sequence to the longest ([B, T]): a batch costs B * T tokens, not their sum
+    padded_batches: bool = True
 
     @abstractmethod
     def make_cache(self, max_len: int) -> Rows:

@@ -67,6 +67,7 @@ class TrtPlan:
 
 
 class TrtEngine(CachedEngine):
+    padded_batches = False  # a batch runs sequence by sequence: it costs the sum of its sequences
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, plan: TrtPlan | None = None) -> None:
         self._cfg = cfg
         self.n_layers = cfg.n_layers if n_layers is None else n_layers

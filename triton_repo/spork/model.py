@@ -48,9 +48,10 @@ class TritonPythonModel:
                           max_queue=int(params["max_queue"]))
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
                                     core)
-        self.metrics = {}
+        self.metrics, self.families = {}, []  # a family must outlive its metrics
         for name, kind, doc, field in METRICS:
             family = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind))
+            self.families.append(family)
             labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
             self.metrics[name] = (family.Metric(labels=labels), field, kind)
         self.published = {}
@@ -85,15 +86,21 @@ class TritonPythonModel:
     def publish(self):
         """Copy the service's metrics into the Prometheus families twice a second."""
         while not self.stop.wait(0.5):
-            m = self.service.metrics
-            for name, (metric, field, kind) in self.metrics.items():
-                value = (m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0) if field is None \
-                    else float(getattr(m, field))
-                if kind == "GAUGE":
-                    metric.set(value)
-                else:
-                    metric.increment(value - self.published.get(name, 0.0))
-                    self.published[name] = value
+            try:
+                self.copy_metrics()
+            except Exception as e:  # a metric that cannot be set must not stop the others, nor serving
+                pb_utils.Logger.log_error(f"spork: metrics: {e!r}")
+
+    def copy_metrics(self):
+        m = self.service.metrics
+        for name, (metric, field, kind) in self.metrics.items():
+            value = (m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.0) if field is None \
+                else float(getattr(m, field))
+            if kind == "GAUGE":
+                metric.set(value)
+            else:
+                metric.increment(value - self.published.get(name, 0.0))
+                self.published[name] = value
 
     def finalize(self):
         self.stop.set()
