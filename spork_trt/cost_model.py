@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EMA = 0.2
-PRIOR_SLOPE = 0.05  # extra cost per extra token, relative to a one-token forward, until measured
+PRIOR_SLOPE = 0.08  # extra cost per extra token, relative to a one-token forward (measured here: 0.08-0.1)
 
 
 def bucket(n: int) -> int:

@@ -31,6 +31,7 @@ from .tree import DraftTree
 from .verify import Verdict
 
 DECAY = 0.97  # weight of history per observation (recent text matters most)
+MARGIN = 0.05  # a step speculates only when its estimated rate beats the plain step's by this much (estimates err)
 PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
 TAU_BOUNDS = (0.002, 0.9)
 TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured acceptance) per scored step
@@ -59,8 +60,8 @@ def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: 
     second of the forward is highest (every request commits its bonus token; its root is one token of the
     forward), within `max_tokens` tokens of forward.
 
-    Packed forwards cost by their total tokens: nodes are taken most likely first across all requests while the
-    rate grows. Padded forwards ([B, T], every request padded to the longest tree) cost B * T whatever the shorter
+    Speculating must beat the plain step's estimated rate by MARGIN. Packed forwards cost by their total tokens:
+    nodes are taken most likely first across all requests while the rate grows. Padded forwards ([B, T], every request padded to the longest tree) cost B * T whatever the shorter
     trees hold: the longest allotment m is chosen, and every request gets its best min(m, its nodes), free."""
     b = len(cands)
     counts = [len(c.order) if c.fixed else 0 for c in cands]
@@ -72,18 +73,19 @@ def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: 
             if m > floor and max_tokens is not None and b * (1 + m) > max_tokens:
                 break
             value = (gain + sum(sum(c.survival[:m]) for c in cands if not c.fixed)) / seconds(b * (1 + m))
-            if best is None or value > best:
+            if best is None or value > best * (1 + MARGIN if m > floor and best_m == floor else 1):
                 best, best_m = value, m
         return [n if c.fixed else min(best_m, len(c.order)) for n, c in zip(counts, cands)]
     tokens = b + sum(counts)
     queue = sorted((-s, r, j) for r, c in enumerate(cands) if not c.fixed for j, s in enumerate(c.survival))
-    best, best_m = gain / seconds(tokens), 0
+    plain = best = gain / seconds(tokens)
+    best_m = 0
     for m, (neg, _, _) in enumerate(queue, start=1):
         if max_tokens is not None and tokens + m > max_tokens:
             break
         gain -= neg
         value = gain / seconds(tokens + m)
-        if value > best:
+        if value > best and value > plain * (1 + MARGIN):
             best, best_m = value, m
     for _, r, _ in queue[:best_m]:  # a request's candidates are ranked in its own order: each gets a prefix
         counts[r] += 1

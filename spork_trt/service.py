@@ -6,6 +6,7 @@ optional input is None and means the default.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from .runtime import Runtime
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
 
+log = logging.getLogger("spork_trt.service")
 SERVED_MODES = ("spork", "plain")
 # tokens already sent that a response repeats before its new ones: enough to finish a multi-byte character split
 # across tokens (at most 4 bytes, each token at least one) and to decode the new tokens as they read in context
@@ -181,6 +183,16 @@ class Ticket:
         return c
 
 
+def deliver(t: Ticket, fn: Callable, *args) -> None:
+    """Answer through the transport; if it fails (the client is gone), the request leaves at the next step and the
+    loop goes on."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
+        t.request.cancelled = True
+        log.warning("spork: answering a request failed (%r); it leaves the batch", e)
+
+
 @dataclass
 class Metrics:
     """What the server exports (Prometheus gauges and counters, see triton_repo/spork/model.py)."""
@@ -279,7 +291,7 @@ class Service:
             self._wake.notify()
         self._thread.join()
         for t in [*self._inbox, *self._tickets.values()]:
-            t.fail(QueueFull("the server is shutting down: retry on another instance"))
+            deliver(t, t.fail, QueueFull("the server is shutting down: retry on another instance"))
         self._inbox, self._tickets = [], {}
 
     def _loop(self) -> None:
@@ -304,8 +316,8 @@ class Service:
     def _join(self, t: Ticket) -> None:
         try:
             self.core.add(t.request)
-        except (UserError, QueueFull) as e:
-            t.fail(e)
+        except Exception as e:  # noqa: BLE001 - bad input, a full queue, or a bug: this request's answer
+            deliver(t, t.fail, e)
             return
         self._tickets[t.request] = t
 
@@ -315,7 +327,8 @@ class Service:
             r.cancelled = True
         self.core.step()  # retires them all, giving their slots back
         for r in failed:
-            self._tickets.pop(r).fail(e)
+            t = self._tickets.pop(r)
+            deliver(t, t.fail, e)
         return []
 
     def _answer(self, finished: list[Request], step_s: float) -> None:
@@ -330,11 +343,11 @@ class Service:
                 m.accepted_tokens += req.stats.accepted_tokens
                 res = req.result()
                 if res.stop_reason == "cancelled":
-                    t.close()
+                    deliver(t, t.close)
                 else:
-                    t.send(t.chunk(True, req.stats, res.stop_reason))
+                    deliver(t, t.send, t.chunk(True, req.stats, res.stop_reason))
             elif t.stream and new:
-                t.send(t.chunk(False, req.stats, ""))
+                deliver(t, t.send, t.chunk(False, req.stats, ""))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
         m.active_steps += len(self.core.active) + len(finished)
