@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,9 +100,22 @@ def is_rendered(repo: Path) -> bool:
     return (repo / "ensemble" / "config.pbtxt").is_file()
 
 
+def adapters_current(repo: Path) -> bool:
+    """Every model.py adapter in the repository is the one this version of spork_trt ships (an older render's
+    adapters do not fit the library they would import)."""
+    return all((repo / name / "1" / "model.py").is_file()
+               and (repo / name / "1" / "model.py").read_bytes() == (TEMPLATES / name / "model.py").read_bytes()
+               for name in (*{s.name for s in io_spec.TRITON_STEPS}, *io_spec.ENTRY_POINTS.values()))
+
+
 def ensure_rendered(cfg: RepoConfig) -> Path:
-    """The repository, rendered first if it is absent (an existing one, maybe edited by hand, is kept)."""
-    return cfg.repo if is_rendered(cfg.repo) else render(cfg)
+    """The repository, rendered first if it is absent or its adapters are from another version of spork_trt (an
+    existing current one, maybe edited by hand, is kept)."""
+    if is_rendered(cfg.repo) and adapters_current(cfg.repo):
+        return cfg.repo
+    if is_rendered(cfg.repo):
+        print(f"{cfg.repo} was rendered by another version of spork_trt: rendering it again", file=sys.stderr)
+    return render(cfg)
 
 
 def render(cfg: RepoConfig) -> Path:

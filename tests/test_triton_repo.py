@@ -72,3 +72,14 @@ def test_render_refuses_bad_sizes(default_engines, tmp_path):
                       (dict(max_context=100000), "--max-context")):
         with pytest.raises(UserError, match=flag):
             render(RepoConfig(default_engines, tmp_path / "repo", **bad))
+
+
+def test_a_repository_rendered_by_another_version_is_rendered_again(default_engines, tmp_path):
+    from spork_trt.triton_repo import adapters_current, ensure_rendered
+
+    cfg = RepoConfig(default_engines, tmp_path / "repo")
+    repo = render(cfg)
+    assert adapters_current(repo) and ensure_rendered(cfg) == repo
+    (repo / "spork" / "1" / "model.py").write_text("# an older adapter\n")
+    assert not adapters_current(repo)
+    assert ensure_rendered(cfg) == repo and adapters_current(repo)
