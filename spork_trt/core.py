@@ -110,6 +110,16 @@ class Draft:
     score_s: float
 
 
+@dataclass(frozen=True)
+class TreeWork:
+    """What the target verifies for one request this step."""
+
+    keep: list[int]  # verified nodes, as indices into the proposal (ascending, root first)
+    tree: DraftTree  # the proposal cut to them
+    children: tuple[tuple[int, ...], ...]  # [N] children of each node of `tree`
+    seq: SeqInput  # the forward's input: gate mode's behind tokens, then `tree`
+
+
 def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
     """New tokens allowed: max_new_tokens, clipped to the context window. Validates the prompt length."""
     if prompt_len == 0:
@@ -164,16 +174,16 @@ class EngineCore:
         padded = self.engine.padded_batches
         counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
                        padded)
-        trees = {r: self.tree_input(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
+        trees = {r: self.tree_work(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
         t = time.perf_counter()
-        logits = dict(zip(trees, self.engine.forward_batch([s for _, s in trees.values()]))) if trees else {}
+        logits = dict(zip(trees, self.engine.forward_batch([w.seq for w in trees.values()]))) if trees else {}
         verify_s = time.perf_counter() - t
         if trees:
-            sizes = [len(s.tokens) for _, s in trees.values()]
+            sizes = [len(w.seq.tokens) for w in trees.values()]
             self.batch_tokens = sum(sizes)
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
         for r, d in zip(decoding, drafts):
-            self.commit(r, d, *trees.get(r, (None, None)), logits.get(r), verify_s)
+            self.commit(r, d, trees.get(r), logits.get(r), verify_s)
         self.prefill(prefilling)
         return done + self.retire([r for r in self.active if r.stop.reason is not None])
 
@@ -213,15 +223,16 @@ class EngineCore:
         cands = None if gated else r.sched.candidates(proposed, r.cfg.sampling.greedy, survival)
         return Draft(proposed, scored, gated, cands, speculate, t_score - t, time.perf_counter() - t_score)
 
-    def tree_input(self, r: Request, d: Draft, count: int) -> tuple[list[int], SeqInput]:
-        """The verified nodes (`keep`, indices into the proposal) and the forward's input: behind + the tree."""
+    def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
         keep = r.sched.kept(d.proposed, d.cands, count)
-        full = d.proposed.subtree(keep).after(r.behind)
-        buf = compile_tree(full.parents, r.target.length)
-        return keep, SeqInput(r.target.cache, full.tokens, tuple(buf.position_ids[0].tolist()), buf.ancestors)
+        tree = d.proposed.subtree(keep)
+        b, buf = len(r.behind), compile_tree(tree.after(r.behind).parents, r.target.length)
+        children = tuple(tuple(c - b for c in ch) for ch in buf.children[b:])
+        seq = SeqInput(r.target.cache, (*r.behind, *tree.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors)
+        return TreeWork(keep, tree, children, seq)
 
-    def commit(self, r: Request, d: Draft, keep: list[int] | None, seq: SeqInput | None,
-               logits: torch.Tensor | None, verify_s: float) -> None:
+    def commit(self, r: Request, d: Draft, work: TreeWork | None, logits: torch.Tensor | None,
+               verify_s: float) -> None:
         """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover."""
         t = time.perf_counter()
         if d.gated:  # lossy gate mode: the verifier alone accepts; the target runs these tokens in its next pass
@@ -230,8 +241,8 @@ class EngineCore:
             verdict = Verdict((0, *path[:-1]), tuple(tree.tokens[i] for i in path[:-1]), tree.tokens[path[-1]])
             r.behind += [tree.tokens[i] for i in verdict.path]
         else:
-            b, tree = len(r.behind), d.proposed.subtree(keep)
-            verdict = verify(tree, compile_tree(tree.parents, 0).children, logits[b:], r.cfg, r.gen)
+            b, keep, tree = len(r.behind), work.keep, work.tree
+            verdict = verify(tree, work.children, logits[b:], r.cfg, r.gen)
             r.target.commit(list(range(b)) + [b + i for i in verdict.path])
             r.behind = []
         if r.drafter is not None:

@@ -16,13 +16,14 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   length, pending                                  committed rows; rows written since the last commit
 """
 
+from __future__ import annotations
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ..kv_cache import KVPool, Rows
-from ..model import causal_mask
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,35 @@ class SeqInput:
         """[1, n, context + n]: every context row, then the tree's own ancestors."""
         n = len(self.tokens)
         return torch.cat([torch.ones(n, self.context, dtype=torch.bool), self.ancestors], dim=1)[None]
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A ragged batch laid out for one forward: every sequence padded to the most new tokens T, past rows [B, P]
+    (P >= every context; a sequence sees only its own). A padding row attends to itself only."""
+
+    input_ids: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T, P + T] bool
+    context: list[int]  # [B] rows each sequence's cache holds
+
+    @classmethod
+    def of(cls, seqs: list[SeqInput], past: int | None = None) -> Padded:
+        """`past`: P (default: the longest context)."""
+        ctx = [s.context for s in seqs]
+        for c, s in zip(ctx, seqs):
+            if c + len(s.tokens) > s.cache.max_len:
+                raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
+        b, t, p = len(seqs), max(len(s.tokens) for s in seqs), max(ctx) if past is None else past
+        ids, pos = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
+        mask = torch.zeros(b, t, p + t, dtype=torch.bool)
+        mask[:, torch.arange(t), p + torch.arange(t)] = True
+        for i, s in enumerate(seqs):
+            n = len(s.tokens)
+            ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
+            mask[i, :n, :ctx[i]] = True
+            mask[i, :n, p:p + n] = s.ancestors
+        return cls(ids, pos, mask, ctx)
 
 
 def chain_input(cache: Rows, ids: list[int]) -> SeqInput:
@@ -113,8 +143,7 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
 
 def forward_chain(engine, ids: list[int]) -> torch.Tensor:
     """Run tokens as one causal chain after every row the engine holds; returns logits [T, V] (rows stay pending)."""
-    base, n = engine.length + engine.pending, len(ids)
-    return engine.forward(torch.tensor([ids]), torch.arange(base, base + n)[None], causal_mask(base, n))[0]
+    return engine.forward_batch([chain_input(engine.cache, ids)])[0]
 
 
 def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
-from . import CachedEngine, SeqInput
+from . import CachedEngine, Padded, SeqInput
 from .staging import Staging
 
 
@@ -86,23 +86,13 @@ class OnnxEngine(CachedEngine):
         if len(seqs) == 1:
             return super().forward_batch(seqs)
         hkv, d, v = self._cfg.n_kv_heads, self._cfg.head_dim, self._cfg.vocab_size
-        b, t = len(seqs), max(len(s.tokens) for s in seqs)
-        ctx = [s.context for s in seqs]
-        for c, s in zip(ctx, seqs):
-            if c + len(s.tokens) > s.cache.max_len:
-                raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
         caches = [s.cache for s in seqs]
         stage = max(self.stagings, key=lambda st: st.overlap(caches))  # the tree batch's and the prefill batch's
         past = stage.past(caches)  # [K|V, L, Bcap, P, Hkv, D]
-        p = past.shape[3]
-        ids, pos = np.zeros((b, t), np.int64), np.zeros((b, t), np.int64)
-        mask = np.zeros((b, t, p + t), np.bool_)
-        mask[:, np.arange(t), p + np.arange(t)] = True  # a padding row attends to itself only
-        for i, s in enumerate(seqs):
-            n = len(s.tokens)
-            ids[i, :n], pos[i, :n] = s.tokens, s.positions
-            mask[i, :n, :ctx[i]] = True
-            mask[i, :n, p:p + n] = s.ancestors.numpy()
+        b, p = len(seqs), past.shape[3]
+        batch = Padded.of(seqs, p)
+        t, ctx = batch.input_ids.shape[1], batch.context
+        ids, pos, mask = batch.input_ids.numpy(), batch.position_ids.numpy(), batch.mask.numpy()
         new = self._scratch("new", (2, self.n_layers, b, t, hkv, d))  # [K|V, L, B, T, Hkv, D]
         logits = self._scratch("logits", (b, t, v))
         io = self.session.io_binding()

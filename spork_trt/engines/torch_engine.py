@@ -6,7 +6,7 @@ import torch
 from ..config import ModelConfig
 from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
-from . import CachedEngine, SeqInput
+from . import CachedEngine, Padded, SeqInput
 
 
 class TorchEngine(CachedEngine):
@@ -44,17 +44,9 @@ class TorchEngine(CachedEngine):
         """One padded forward over B sequences (see BatchKV); one sequence runs in place (`forward`)."""
         if len(seqs) == 1:
             return super().forward_batch(seqs)
-        kv = BatchKV(seqs)
-        b, t, p = len(seqs), kv.t, kv.p
-        ids, pos = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
-        mask = torch.zeros(b, t, p + t, dtype=torch.bool)
-        mask[:, torch.arange(t), p + torch.arange(t)] = True  # a padding row attends to itself only
-        for i, s in enumerate(seqs):
-            n = len(s.tokens)
-            ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
-            mask[i, :n, :kv.ctx[i]] = True
-            mask[i, :n, p:p + n] = s.ancestors
-        logits = self.model(ids, pos, mask, kv, exit_layer=self.exit_layer).logits  # [B, T, V]
+        batch = Padded.of(seqs)
+        kv = BatchKV(seqs, batch.context)
+        logits = self.model(batch.input_ids, batch.position_ids, batch.mask, kv, exit_layer=self.exit_layer).logits
         for i, s in enumerate(seqs):
             s.cache.written(len(s.tokens))
         return [logits[i, :len(s.tokens)] for i, s in enumerate(seqs)]
@@ -65,13 +57,8 @@ class BatchKV:
     and returns keys/values padded to [B, Hkv, P + T, D] (P the longest context; rows past a sequence's own
     context are zeros, masked off)."""
 
-    def __init__(self, seqs: list[SeqInput]) -> None:
-        self.seqs = seqs
-        self.ctx = [s.context for s in seqs]  # [B]
-        self.p, self.t = max(self.ctx), max(len(s.tokens) for s in seqs)
-        for c, s in zip(self.ctx, seqs):
-            if c + len(s.tokens) > s.cache.max_len:
-                raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
+    def __init__(self, seqs: list[SeqInput], context: list[int]) -> None:
+        self.seqs, self.ctx, self.p = seqs, context, max(context)  # context [B]: rows each cache holds
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, P + T, D]."""
