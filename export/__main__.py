@@ -1,5 +1,7 @@
-"""`python -m export build|inspect|triton|calibrate`: compile a checkpoint into engines; show what was built; render
-the Triton model repository; fit the verifier's confidence head."""
+"""`python -m export build|inspect|triton|calibrate|self-data|pack|train-draft`: compile a checkpoint into engines;
+show what was built; render the Triton model repository; fit the verifier's confidence head; generate the target's
+own text (the learned drafts' training data); pack it into the corpus that ships for its target; train the draft
+head on it."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +25,11 @@ EXAMPLES = """examples:
   python -m export calibrate --prompts humaneval --json   # the reverse direction (collected nodes are reused)
   python -m export calibrate --limit 40                   # the first 40 prompts of each set: quicker, noisier
   python -m export calibrate --draft self-int8            # a head for the INT8 self-draft (one head per drafter)
+  python -m export self-data --magpie 1024 --stdlib 512   # the target's own text -> results/selfdata (resumable)
+  python -m export pack                                   # results/selfdata -> the shipped corpus of this target
+  python -m export build --store results/selfdata         # a datastore from any self-data run
+  python -m export train-draft --epochs 4 --steps 3       # the draft head on results/selfdata (--resume continues)
+  python -m export train-draft --device cuda --taps 2,15,29 --vocab 8192
 """
 
 
@@ -48,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
                    help="layers of the early-layer verifier / early-exit draft (default: %(default)s)")
     b.add_argument("--backend", choices=["onnx", "tensorrt"], default="onnx")
     b.add_argument("--force", action="store_true", help="rebuild even if the artifacts are up to date")
+    b.add_argument("--store", default=BuildConfig.store, metavar="auto|none|DIR",
+                   help="the datastore's text (--draft store): auto = the corpus shipped for this checkpoint, if any; "
+                        "a folder from `export pack` or `export self-data` (default: %(default)s)")
     i = sub.add_parser("inspect", help="print a build's manifest readably")
     i.add_argument("engines", nargs="?", default=str(BuildConfig.out))
     i.add_argument("--json", action="store_true")
@@ -92,7 +102,78 @@ def parser() -> argparse.ArgumentParser:
                    help="draft depth while collecting (default: the drafter's own; deeper labels more depths)")
     c.add_argument("--plot", default=None, help="reliability diagram PNG (default: ENGINES/calibration/...)")
     c.add_argument("--json", action="store_true", help='print {"per_depth": [...], "heldout": ...}')
+    from spork_trt.export.selfdata import SelfDataConfig as D
+
+    s = sub.add_parser("self-data", help="the target's own answers to prompts it writes itself and to standard-"
+                       "library functions: training data of the learned drafts (resumable)", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--engines", default=str(D.engines), help="a build folder (default: %(default)s)")
+    s.add_argument("--out", default=str(D.out), help="data folder; a rerun resumes it (default: %(default)s)")
+    s.add_argument("--magpie", type=int, default=D.magpie,
+                   help="prompts the target writes from its chat template's user-turn prefix (default: %(default)s)")
+    s.add_argument("--stdlib", type=int, default=D.stdlib,
+                   help="function-completion prompts from the Python standard library (default: %(default)s)")
+    s.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens,
+                   help="answer length (default: %(default)s)")
+    s.add_argument("--slots", type=int, default=D.slots, help="requests decoded together (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=D.seed, help="Magpie sampling and stdlib choice (default: %(default)s)")
+    k = sub.add_parser("pack", help="a self-data run -> the corpus that ships in the package for its target "
+                       "(spork_trt/artifacts/NAME)", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("--data", default=str(D.out), help="a finished self-data folder (default: %(default)s)")
+    k.add_argument("--out", default=None, help="default: spork_trt/artifacts/<the engines' model name>")
+    k.add_argument("--engines", default=str(D.engines), help="the build the data came from (default: %(default)s)")
+    from spork_trt.export.train_draft import TrainConfig as T
+
+    r = sub.add_parser("train-draft", help="train the draft head (one decoder layer over the target's hidden "
+                       "states) on a self-data run; resumable", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--data", default=str(T.data), help="a self-data folder (default: %(default)s)")
+    r.add_argument("--out", default=str(T.out), help="head, checkpoints and cached features (default: %(default)s)")
+    r.add_argument("--model", default=None, help="the target checkpoint (default: SmolLM2-135M-Instruct)")
+    r.add_argument("--taps", default="", help="comma-separated target layers whose outputs are the features, e.g. "
+                   "2,15,29 (EAGLE-3 style fusion; default: the last layer)")
+    r.add_argument("--vocab", type=int, default=T.vocab, help="draft vocabulary size (default: %(default)s)")
+    r.add_argument("--steps", type=int, default=T.steps,
+                   help="training-time test: head steps unrolled on its own outputs (default: %(default)s)")
+    r.add_argument("--epochs", type=int, default=T.epochs, help="(default: %(default)s)")
+    r.add_argument("--lr", type=float, default=T.lr, help="(default: %(default)s)")
+    r.add_argument("--batch", type=int, default=T.batch, help="sequences per optimizer step (default: %(default)s)")
+    r.add_argument("--limit", type=int, default=None, help="train on the first N sequences only (data-size sweep)")
+    r.add_argument("--device", choices=["cpu", "cuda"], default=T.device)
+    r.add_argument("--seed", type=int, default=T.seed)
+    r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     return p
+
+
+def train_draft(a) -> int:
+    from spork_trt.export.train_draft import TrainConfig, train_draft
+
+    try:
+        taps = tuple(int(t) for t in a.taps.split(",") if t.strip())
+    except ValueError:
+        raise UserError(f"--taps {a.taps!r}: comma-separated layer numbers, e.g. 2,15,29") from None
+    meta = train_draft(TrainConfig(Path(a.data), Path(a.out), a.model, taps, a.vocab, a.steps, a.epochs, a.lr,
+                                   a.batch, limit=a.limit, device=a.device, seed=a.seed, resume=a.resume))
+    print(json.dumps({k: meta[k] for k in ("epoch", "losses", "evals", "train_tokens", "vocab_coverage")}, indent=1))
+    return 0
+
+
+def pack(a) -> int:
+    from spork_trt.export import manifest as mf
+    from spork_trt.export.artifacts import ARTIFACTS, pack
+
+    out = Path(a.out) if a.out else ARTIFACTS / Path(mf.read(Path(a.engines))["source"]["path"]).stem.lower()
+    pack(Path(a.data), out)
+    return 0
+
+
+def self_data(a) -> int:
+    from spork_trt.export.selfdata import SelfDataConfig, self_data
+
+    recipe = self_data(SelfDataConfig(engines=Path(a.engines), out=Path(a.out), magpie=a.magpie, stdlib=a.stdlib,
+                                      max_new_tokens=a.max_new_tokens, slots=a.slots, seed=a.seed))
+    print(json.dumps(recipe, indent=1))
+    return 0
 
 
 def calibrate(a) -> int:
@@ -148,11 +229,17 @@ def main(argv=None) -> int:
             return triton(a)
         if a.command == "calibrate":
             return calibrate(a)
+        if a.command == "self-data":
+            return self_data(a)
+        if a.command == "pack":
+            return pack(a)
+        if a.command == "train-draft":
+            return train_draft(a)
         from spork_trt.export.build import BuildConfig, build
 
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
         build(BuildConfig(model=a.model, out=Path(a.out), precision=a.precision, drafts=drafts,
-                          verifier_layers=a.verifier_layers, backend=a.backend, force=a.force))
+                          verifier_layers=a.verifier_layers, backend=a.backend, force=a.force, store=a.store))
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@
 is the root alone), so every mode shares one stop rule, one token accounting, one code path."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from .config import GenerateConfig, SpecConfig
 from .core import CoreConfig, EngineCore, GenerationResult, Observe, Request, budget, room
@@ -12,7 +12,7 @@ from .verifier import Verifier
 
 OnTokens = Callable[[list[int]], None]  # receives committed tokens as they are produced
 
-__all__ = ["GenerationResult", "OnTokens", "generate", "run_alone"]
+__all__ = ["GenerationResult", "OnTokens", "generate", "run_alone", "run_many"]
 
 
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
@@ -38,3 +38,21 @@ def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> Generati
         if new and on_tokens is not None:
             on_tokens(new)
     return r.result()
+
+
+def run_many(target, requests: Iterable[Request], slots: int, max_len: int) -> Iterator[Request]:
+    """Run requests on one core, `slots` at a time (continuous batching: a finished request's slot takes the next at
+    once); yields each request when it finishes, in finishing order. Requests are taken from `requests` lazily."""
+    core = EngineCore(target, target.cfg.max_seq_len, CoreConfig(slots=slots, max_len=max_len, max_queue=slots))
+    pending = iter(requests)
+    exhausted = False
+    while True:
+        while not exhausted and len(core.waiting) < slots:
+            r = next(pending, None)
+            if r is None:
+                exhausted = True
+            else:
+                core.add(r)
+        if core.idle:
+            return
+        yield from core.step()

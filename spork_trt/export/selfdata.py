@@ -1,0 +1,252 @@
+"""`python -m export self-data`: the target's own text, the training data of the learned drafts (draft head,
+datastore). Never benchmark prompts: every prompt is synthesized by the target or cut from the Python standard
+library (PSF license).
+
+Two stages, each a JSONL file appended as requests finish (resumable: a rerun skips what is there; deterministic
+for a seed: sampled requests draw the same tokens batched as alone):
+  prompts.jsonl  one line per attempt: Magpie prompts (the target samples a user turn from its chat template's
+                 user-turn prefix alone; kept when it ends its turn within the limit and is new) and standard-library
+                 function-completion prompts (a signature and docstring, "Complete the following Python function")
+  answers.jsonl  the target's greedy answer to every kept prompt, through the chat template: the token ids of the
+                 whole sequence (template + prompt + answer) and where the answer starts
+Both run on one engine core (continuous batching, lossless n-gram speculation: greedy tokens are plain decoding's).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import platform
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..config import GenerateConfig, SamplingConfig, SpecConfig
+from ..errors import UserError
+from ..generate import run_many
+
+PROMPTS, ANSWERS, RECIPE = "prompts.jsonl", "answers.jsonl", "recipe.json"
+SENTINEL = "\x00SPORK_USER_TURN\x00"  # cut point: the chat template's text before the user's content
+CODE_PREFIX = "Complete the following Python function:\n"
+
+
+@dataclass(frozen=True)
+class SelfDataConfig:
+    engines: Path = Path("engines/default")
+    out: Path = Path("results/selfdata")
+    magpie: int = 1024  # Magpie prompts to keep
+    stdlib: int = 512  # standard-library function prompts
+    max_prompt_tokens: int = 96  # a Magpie user turn longer than this is dropped
+    max_code_tokens: int = 384  # a standard-library prompt longer than this is skipped
+    max_new_tokens: int = 256  # answer length
+    temperature: float = 0.9  # Magpie prompt sampling
+    top_p: float = 0.95
+    slots: int = 16
+    seed: int = 0
+
+
+def stage(msg: str) -> None:
+    print(f"[self-data] {msg}", file=sys.stderr, flush=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interrupted run: redone
+            break
+    return rows
+
+
+class Appender:
+    """Appends JSON lines and flushes each, so an interrupted run loses at most the requests in flight."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        text = path.read_text() if path.is_file() else ""
+        if text and not text.endswith("\n"):
+            path.write_text(text[:text.rfind("\n") + 1])  # drop a partial last line
+        self.fh = path.open("a")
+
+    def write(self, row: dict) -> None:
+        self.fh.write(json.dumps(row) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class Progress:
+    def __init__(self, what: str, total: int, done: int) -> None:
+        self.what, self.total, self.done, self.tokens = what, total, done, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last >= 15 or self.done == self.total:
+            self.last = now
+            rate = self.tokens / (now - self.t0)
+            stage(f"{self.what}: {self.done}/{self.total}, {rate:.0f} tokens/s")
+
+
+def user_turn_prefix(tok) -> list[int]:
+    """Token ids of the chat template rendered up to where the user's text begins (Magpie's pre-query template)."""
+    if not tok.has_chat_template:
+        raise UserError("self-data synthesizes prompts from the chat template: this model has none")
+    text = tok.hf.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    return list(tok.hf.encode(text[:text.index(SENTINEL)], add_special_tokens=False))
+
+
+def stdlib_functions(seed: int, n: int, max_tokens: int, tok) -> list[dict]:
+    """`n` function-completion prompts (signature + docstring) from this Python's standard library, chosen with
+    `seed` (the first n of one seeded order)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node) \
+                    and node.body and len(node.body) > 1 and node.col_offset == 0:
+                doc = node.body[0]
+                head = "\n".join(lines[node.lineno - 1:doc.end_lineno])
+                found.append({"id": f"stdlib:{path.relative_to(root)}:{node.name}", "prompt": CODE_PREFIX + head})
+    found = list({f["id"]: f for f in found}.values())  # a function defined twice in one module: once
+    random.Random(seed).shuffle(found)
+    out = []
+    for f in found:
+        if len(out) == n:
+            break
+        if len(tok.encode_prompt(f["prompt"])) <= max_tokens:
+            out.append({**f, "source": "stdlib", "kept": True})
+    return out
+
+
+def synthesize(rt, cfg: SelfDataConfig) -> list[dict]:
+    """Magpie prompts (kept ones, in attempt order, the first `cfg.magpie`) plus the standard-library prompts;
+    appended to prompts.jsonl as they come, resumed from it."""
+    path = cfg.out / PROMPTS
+    rows = read_jsonl(path)
+    done = {r["id"] for r in rows}
+    out = Appender(path)
+    if sum(r["source"] == "stdlib" for r in rows) < cfg.stdlib:  # the first n of one seeded order: a larger n
+        stage("collecting standard-library function prompts")   # extends a smaller one
+        for r in stdlib_functions(cfg.seed, cfg.stdlib, cfg.max_code_tokens, rt.tokenizer):
+            if r["id"] not in done:
+                out.write(r)
+                rows.append(r)
+    prefix = user_turn_prefix(rt.tokenizer)
+    seen = {r["prompt"] for r in rows if r["kept"]}
+    kept = sum(r["kept"] for r in rows if r["source"] == "magpie")
+    progress = Progress("magpie prompts", cfg.magpie, kept)
+    state = {"kept": kept}
+    ids = {}  # request -> its attempt's id
+
+    def attempts() -> Iterator:
+        i = 0
+        while state["kept"] < cfg.magpie:
+            if f"magpie:{i}" not in done:
+                sampling = SamplingConfig(cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + i)
+                r = rt.request(prefix, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork", SpecConfig())
+                ids[r] = f"magpie:{i}"
+                yield r
+            i += 1
+
+    if kept < cfg.magpie:
+        stage(f"synthesizing Magpie prompts ({kept}/{cfg.magpie} kept so far)")
+    for r in run_many(rt.engine, attempts(), cfg.slots, len(prefix) + cfg.max_prompt_tokens + 32):
+        res = r.result()
+        text = rt.tokenizer.decode(res.token_ids).strip()
+        ok = res.stop_reason == "eos" and len(text.split()) >= 4 and text not in seen
+        if ok:
+            seen.add(text)
+            state["kept"] += 1
+            progress.tick(len(res.token_ids))
+        row = {"id": ids.pop(r), "source": "magpie", "prompt": text, "kept": ok}
+        out.write(row)
+        rows.append(row)
+    out.close()
+    magpie = sorted((r for r in rows if r["source"] == "magpie" and r["kept"]), key=lambda r: int(r["id"][7:]))
+    return magpie[:cfg.magpie] + [r for r in rows if r["source"] == "stdlib"][:cfg.stdlib]
+
+
+def answer(rt, cfg: SelfDataConfig, prompts: list[dict]) -> list[dict]:
+    """The target's greedy answers (through the chat template), appended to answers.jsonl, resumed from it."""
+    path = cfg.out / ANSWERS
+    rows = read_jsonl(path)
+    done = {r["id"] for r in rows}
+    todo = [p for p in prompts if p["id"] not in done]
+    progress = Progress("answers", len(prompts), len(prompts) - len(todo))
+    if todo:
+        stage(f"answering {len(todo)} prompts ({len(done)} done before)")
+
+    ids = {}  # request -> its prompt's id
+
+    def requests() -> Iterator:
+        for p in todo:
+            r = rt.request(rt.tokenizer.encode_prompt(p["prompt"]), GenerateConfig(cfg.max_new_tokens), "spork",
+                           SpecConfig())
+            ids[r] = p["id"]
+            yield r
+
+    out = Appender(path)
+    max_len = cfg.max_code_tokens + cfg.max_new_tokens + 64
+    for r in run_many(rt.engine, requests(), cfg.slots, max_len):
+        res = r.result()
+        row = {"id": ids.pop(r), "ids": [*r.prompt_ids, *res.token_ids], "n_prompt": len(r.prompt_ids),
+               "stop": res.stop_reason}
+        out.write(row)
+        rows.append(row)
+        progress.tick(len(res.token_ids))
+    out.close()
+    order = {p["id"]: i for i, p in enumerate(prompts)}
+    return sorted((r for r in rows if r["id"] in order), key=lambda r: order[r["id"]])
+
+
+def self_data(cfg: SelfDataConfig) -> dict:
+    """Both stages; writes recipe.json (the settings, counts and the target's sha256) and returns it."""
+    from ..runtime import Runtime
+    from . import manifest as mf
+
+    if cfg.magpie < 0 or cfg.stdlib < 0 or cfg.magpie + cfg.stdlib == 0 or cfg.slots < 1:
+        raise UserError("--magpie and --stdlib must be >= 0 (not both 0) and --slots >= 1")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    recipe_path = cfg.out / RECIPE
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "slots")}
+    if recipe_path.is_file():
+        old = json.loads(recipe_path.read_text())["settings"]
+        if {k: v for k, v in old.items() if k not in ("magpie", "stdlib")} != \
+                {k: v for k, v in settings.items() if k not in ("magpie", "stdlib")}:
+            raise UserError(f"{cfg.out} holds data made with other settings ({old}): pass another --out")
+    rt = Runtime.from_engines(cfg.engines, load_head=False)
+    t0 = time.perf_counter()
+    prompts = synthesize(rt, cfg)
+    answers = answer(rt, cfg, prompts)
+    m = mf.read(cfg.engines)
+    recipe = {
+        "settings": settings, "target_sha256": m["source"]["sha256"], "python": platform.python_version(),
+        "prompts": {"magpie": sum(p["source"] == "magpie" for p in prompts),
+                    "stdlib": sum(p["source"] == "stdlib" for p in prompts)},
+        "tokens": {"total": sum(len(a["ids"]) for a in answers),
+                   "answer": sum(len(a["ids"]) - a["n_prompt"] for a in answers)},
+        "seconds_this_run": round(time.perf_counter() - t0, 1),
+    }
+    recipe_path.write_text(json.dumps(recipe, indent=1) + "\n")
+    stage(f"done: {len(answers)} answers, {recipe['tokens']['answer']} answer tokens "
+          f"({recipe['tokens']['total']} with prompts) in {cfg.out}")
+    return recipe
