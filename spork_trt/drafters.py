@@ -1,4 +1,4 @@
-"""Drafters: propose a token tree from the committed context. One interface, four kinds.
+"""Drafters: propose a token tree from the committed context. One interface, five kinds.
 
   reset(prompt_ids, max_len)    start a sequence (model drafters prefill their own KV cache)
   propose(root, spec) -> DraftTree   node 0 = root (the last committed token); draft nodes below it
@@ -8,7 +8,8 @@
 Model drafters (a separate draft model, a quantized copy of the target, the target's first N layers) grow a
 dynamic tree: per depth, the top-K children of every node of the previous depth, keeping the K with the highest
 cumulative draft probability (within the node budget); one batched draft forward per depth. The n-gram drafter
-looks the recent suffix up in prompt + output; distinct continuations become forks. The hybrid drafter uses
+looks the recent suffix up in prompt + output; distinct continuations become forks. The store drafter adds forks
+from a datastore of the target's own generations where the context has too few. The hybrid drafter uses
 the n-gram drafter when the context repeats itself and a model drafter otherwise.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 
 from .config import SamplingConfig, SpecConfig
+from .datastore import KEY, Datastore
 from .engines import forward_chain, prefill
 from .sampling import processed_probs
 from .tree import DraftTree
@@ -175,21 +177,27 @@ class NgramDrafter:
                 self.index.setdefault(tuple(ctx[end - n:end]), []).append(end - n)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        conts, scores = self.continuations(root, spec.tree_depth, spec.tree_width)
+        return trie(root, conts, spec.tree_budget, scores)
+
+    def continuations(self, root: int, depth: int, width: int) -> tuple[list[list[int]], list[float]]:
+        """Up to `width` distinct continuations (at most `depth` tokens) of the latest matches, longest suffix
+        first; each with its matched suffix length / max_n."""
         ctx = self.context
         conts: list[list[int]] = []
-        scores: list[float] = []  # per continuation: its matched suffix length / max_n
+        scores: list[float] = []
         for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
             suffix = (*ctx[len(ctx) - n + 1:], root)  # the last n tokens of context + root
             for i in reversed(self.index.get(suffix, ())):  # latest match first; it ends inside the context
-                cont = ctx[i + n:i + n + spec.tree_depth]
-                if len(cont) < spec.tree_depth and i + n + len(cont) == len(ctx):
+                cont = ctx[i + n:i + n + depth]
+                if len(cont) < depth and i + n + len(cont) == len(ctx):
                     cont.append(root)  # the continuation runs into the root itself
                 if cont and not any(c[:len(cont)] == cont for c in conts):
                     conts.append(cont)
                     scores.append(n / self.max_n)
-                    if len(conts) >= spec.tree_width:
-                        return trie(root, conts, spec.tree_budget, scores)
-        return trie(root, conts, spec.tree_budget, scores)
+                    if len(conts) >= width:
+                        return conts, scores
+        return conts, scores
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.extend([tree.tokens[i] for i in verdict.path])
@@ -215,6 +223,35 @@ class HybridDrafter:
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.ngram.commit(tree, verdict)
         self.model.commit(tree, verdict)  # without a proposal of its own this step, it catches up next time
+
+
+@dataclass
+class StoreDrafter:
+    """The request's own text first (prompt lookup), then the datastore of the target's own generations
+    (datastore.py) for the forks the context leaves: continuations of the longest match of the recent tokens, most
+    frequent first."""
+
+    ngram: NgramDrafter
+    store: Datastore
+
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+        self.ngram.reset(prompt_ids, max_len)
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        conts, scores = self.ngram.continuations(root, spec.tree_depth, spec.tree_width)
+        if len(conts) < spec.tree_width:
+            ctx = self.ngram.context
+            query = [*ctx[max(0, len(ctx) - KEY + 1):], root]  # [<= KEY]
+            for cont, share in self.store.continuations(query, spec.tree_depth, spec.tree_width):
+                if not any(c[:len(cont)] == cont for c in conts):
+                    conts.append(cont)
+                    scores.append(share)
+                    if len(conts) == spec.tree_width:
+                        break
+        return trie(root, conts, spec.tree_budget, scores)
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        self.ngram.commit(tree, verdict)
 
 
 def trie(root: int, continuations: list[list[int]], budget: int, scores: list[float] | None = None) -> DraftTree:

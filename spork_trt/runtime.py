@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .config import DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .core import Request
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .datastore import Datastore
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, run_alone
 from .sampling import make_generator
@@ -27,7 +28,7 @@ TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantiz
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in ("ngram", "hybrid", *SELF_DRAFTS) and not arg:
+    if kind in ("ngram", "store", "hybrid", *SELF_DRAFTS) and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -48,6 +49,7 @@ class Runtime:
     verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
+    store: Datastore | None = None  # the build's datastore of the target's own text (--draft store)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
@@ -104,7 +106,8 @@ class Runtime:
         target = load_engine(d, built["target"], cfg, providers)
         layers = built["verifier"]["layers"]
         heads = load_heads(d, layers) if load_head else {}
-        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads)
+        store = Datastore.load(d) if "store" in built else None
+        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store)
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
@@ -121,6 +124,11 @@ class Runtime:
         kind, _ = parse_draft(name, self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
+        if kind == "store":
+            if self.store is None:
+                raise UserError("--draft store needs a build with a datastore: `python -m export build` makes one "
+                                "(from the shipped corpus of the default model, or --store DATA), then pass --engines")
+            return StoreDrafter(NgramDrafter(SpecConfig.ngram_max), self.store)
         if kind == "hybrid":
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))

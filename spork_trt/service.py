@@ -234,7 +234,7 @@ class Service:
              ) -> Service:
         rt = Runtime.from_engines(engines, providers)
         spec = SpecConfig.for_draft(draft)
-        if spec.draft not in ("ngram", "hybrid"):
+        if spec.draft not in ("ngram", "store", "hybrid"):
             rt.draft_engine(spec.draft)  # load it now, not on the first request
         return cls(rt, spec, core)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from spork_trt.datastore import Datastore
+from spork_trt.drafters import HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.generate import generate
 from spork_trt.quant import int4_copy, int8_copy
@@ -26,6 +27,9 @@ def drafter_for(kind: str, target):
     gen = torch.Generator().manual_seed(0)
     if kind == "ngram":
         return NgramDrafter(4)
+    if kind == "store":  # a datastore of the target's own greedy text on other prompts (as self-data makes it)
+        own = [p + run(target, p, 60).token_ids for p in ([9, 8, 7], [11, 12], [30, 31, 32, 33])]
+        return StoreDrafter(NgramDrafter(4), Datastore.build(own))
     if kind == "hybrid":  # n-gram on repeats of 2+ tokens, else the INT4 copy drafting chains of 3
         model_spec = SpecConfig(tree_width=1, tree_depth=3, tree_budget=3)
         return HybridDrafter(NgramDrafter(4, 2), drafter_for("self-int4", target), model_spec)
@@ -48,7 +52,7 @@ def run(target, prompt, n, drafter=None, spec=SpecConfig()):
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "hybrid", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
+@pytest.mark.parametrize("kind", ["ngram", "store", "hybrid", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
 @pytest.mark.parametrize("width,depth", [(1, 1), (1, 4), (1, 8), (2, 3), (3, 5), (4, 8), (4, 2)])
 def test_spork_greedy_equals_plain_greedy(target, kind, width, depth):
     drafter = drafter_for(kind, target)

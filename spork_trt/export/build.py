@@ -17,6 +17,8 @@ from pathlib import Path
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
+from ..datastore import SUFFIXES, TOKENS
+from . import artifacts
 from . import manifest as mf
 from . import tensorrt as trt_build
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_onnx
@@ -35,6 +37,7 @@ class BuildConfig:
     verifier_layers: int = VERIFIER_LAYERS
     backend: str = "onnx"
     force: bool = False
+    store: str = "auto"  # the datastore's text: auto (shipped for this checkpoint) | none | a pack or self-data folder
 
 
 def stage(msg: str) -> None:
@@ -71,9 +74,11 @@ def build(cfg: BuildConfig) -> Path:
     t0 = time.perf_counter()
     stage(f"hashing source checkpoint {source}")
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
+    store_dir, store_what = artifacts.store_source(cfg.store, source_sha)
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
               "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT, "tools": mf.tool_versions(),
               "backend": cfg.backend,
+              "store": store_dir and {"from": store_what, "sha256": mf.sha256(artifacts.text_file(store_dir))},
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
               "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
               else None}
@@ -118,6 +123,15 @@ def build(cfg: BuildConfig) -> Path:
         engines[draft] = {"path": name, "precision": q, "layers": n_layers}
     if trt_cfg is not None:
         engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
+    for stale in (out / TOKENS, out / SUFFIXES):
+        stale.unlink(missing_ok=True)
+    if store_dir is not None:
+        stage(f"indexing the datastore ({store_what})")
+        store = artifacts.build_store(store_dir, out)
+        engines["store"] = {"path": TOKENS, "index": SUFFIXES, "precision": "int32", "layers": 0,
+                            "tokens": int(len(store.tokens)), "from": store_what}
+    else:
+        stage(f"no datastore: {store_what} (--draft store needs one: --store DATA)")
     stage("writing tokenizer files")
     tok_files = [p.name for p in tok.save(out)]
     stage("hashing artifacts")
@@ -129,7 +143,7 @@ def build(cfg: BuildConfig) -> Path:
         "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
-        "drafters": ["ngram", *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
+        "drafters": ["ngram", *(["store"] if store_dir else []), *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
         "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
     })
     render_triton(out)

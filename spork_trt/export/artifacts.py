@@ -1,0 +1,96 @@
+"""Learned draft artifacts that ship inside the package (spork_trt/artifacts/<name>/), one folder per target:
+  corpus.npz     the datastore's text: the target's own answers (self-data), token ids joined by datastore.SEP
+  manifest.json  the target's sha256, the data recipe, token counts, and the command that reproduces it
+
+`python -m export pack` writes a folder from a self-data run; `python -m export build` finds the folder whose
+target sha256 is the checkpoint's and builds the memory-mapped datastore from it into the engines folder.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..datastore import SEP, Datastore, join
+from ..errors import UserError
+from . import manifest as mf
+from .selfdata import ANSWERS, RECIPE, read_jsonl
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CORPUS, MANIFEST = "corpus.npz", "manifest.json"
+REPRODUCE = ("python -m export build && python -m export self-data --magpie {magpie} --stdlib {stdlib} "
+             "--max-new-tokens {max_new_tokens} --seed {seed} && python -m export pack")
+
+
+def shipped(source_sha256: str, root: Path = ARTIFACTS) -> Path | None:
+    """The artifact folder made for the checkpoint with this sha256, if one ships."""
+    for m in sorted(root.glob(f"*/{MANIFEST}")):
+        if json.loads(m.read_text()).get("target_sha256") == source_sha256:
+            return m.parent
+    return None
+
+
+def corpus_sequences(data: Path) -> list[list[int]]:
+    """The token sequences (chat template + prompt + the target's answer) of a self-data folder."""
+    rows = read_jsonl(data / ANSWERS)
+    if not rows:
+        raise UserError(f"{data} has no {ANSWERS}: run `python -m export self-data --out {data}` first")
+    return [r["ids"] for r in rows]
+
+
+def pack(data: Path, out: Path) -> Path:
+    """Write corpus.npz and manifest.json for the self-data run in `data` into `out`."""
+    if not (data / RECIPE).is_file():
+        raise UserError(f"{data} has no {RECIPE}: it is not a finished self-data run")
+    recipe = json.loads((data / RECIPE).read_text())
+    seqs = corpus_sequences(data)
+    tokens = join(seqs)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / CORPUS, tokens=tokens)
+    s = recipe["settings"]
+    manifest = {"target_sha256": recipe["target_sha256"], "recipe": recipe, "sequences": len(seqs),
+                "tokens": int(len(tokens) - len(seqs)), "corpus_sha256": mf.sha256(out / CORPUS),
+                "reproduce": REPRODUCE.format(**s)}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"[pack] {out / CORPUS}: {len(seqs)} sequences, {manifest['tokens']} tokens, "
+          f"{(out / CORPUS).stat().st_size / 1e6:.1f} MB", file=sys.stderr)
+    return out
+
+
+def load_corpus(folder: Path) -> np.ndarray:
+    """[N] int32 tokens joined by SEP, from a shipped or packed folder (no pickles)."""
+    with np.load(folder / CORPUS, allow_pickle=False) as z:
+        tokens = z["tokens"]
+    if tokens.dtype != np.int32 or tokens.ndim != 1 or len(tokens) == 0 or tokens[-1] != SEP:
+        raise UserError(f"{folder / CORPUS} is not a corpus (1-D int32 token ids, each sequence ended by {SEP})")
+    return tokens
+
+
+def store_source(store: str, source_sha256: str) -> tuple[Path | None, str]:
+    """Where a build's datastore comes from: `store` "auto" (the shipped corpus for this checkpoint, if any), "none",
+    a packed folder (corpus.npz) or a self-data folder (answers.jsonl). Returns (folder or None, what it is)."""
+    if store == "none":
+        return None, "none"
+    if store == "auto":
+        found = shipped(source_sha256)
+        return found, f"shipped {found.name}" if found else "none (no shipped corpus for this checkpoint)"
+    p = Path(store)
+    if (p / CORPUS).is_file() or (p / ANSWERS).is_file():
+        return p, str(p)
+    raise UserError(f"--store {store}: use auto, none, a packed folder (with {CORPUS}) or a self-data folder (with "
+                    f"{ANSWERS})")
+
+
+def text_file(folder: Path) -> Path:
+    """The file a store is built from: corpus.npz, else answers.jsonl."""
+    return folder / CORPUS if (folder / CORPUS).is_file() else folder / ANSWERS
+
+
+def build_store(folder: Path, out: Path) -> Datastore:
+    """The memory-mapped datastore in `out`, from a packed or self-data folder."""
+    tokens = load_corpus(folder) if (folder / CORPUS).is_file() else join(corpus_sequences(folder))
+    store = Datastore.index(tokens)
+    store.save(out)
+    return store
