@@ -31,7 +31,7 @@ class KVStore(Protocol):
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [B, T, V]
-    hidden: torch.Tensor | None  # [B, T, C] after layer `tap_layer`, when asked for
+    hidden: torch.Tensor | None  # [B, T, k*C]: the hidden states after each of the k `taps` layers, when asked for
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -156,18 +156,19 @@ class Transformer(nn.Module):
         mask: torch.Tensor,  # [B, T, S] bool, True = may attend
         kv: KVStore | None = None,
         exit_layer: int | None = None,  # run only the first `exit_layer` layers, then norm + LM head
-        tap_layer: int | None = None,  # also return the hidden state after this many layers
+        taps: tuple[int, ...] = (),  # also return the hidden states after these many layers (the draft head's features)
     ) -> ModelOutput:
         n = self.cfg.n_layers if exit_layer is None else exit_layer
         assert 0 < n <= self.cfg.n_layers, f"exit_layer must be in 1..{self.cfg.n_layers}"
         x = self.embed(input_ids)  # [B, T, C]
         cos, sin = (c[:, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, 1, T, D]
         bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, S]
-        hidden = None
+        tapped = {}
         for i, layer in enumerate(self.layers[:n]):
             x = layer(x, cos, sin, bias, i, kv)
-            if tap_layer is not None and i + 1 == tap_layer:
-                hidden = x
+            if i + 1 in taps:
+                tapped[i + 1] = x
+        hidden = torch.cat([tapped[t] for t in taps], dim=-1) if taps else None  # [B, T, k*C]
         return ModelOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
 
 
