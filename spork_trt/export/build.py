@@ -18,7 +18,7 @@ from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from ..datastore import SUFFIXES, TOKENS
-from . import artifacts
+from .artifacts import build_store, store_source, text_file
 from . import manifest as mf
 from . import tensorrt as trt_build
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_onnx
@@ -74,11 +74,11 @@ def build(cfg: BuildConfig) -> Path:
     t0 = time.perf_counter()
     stage(f"hashing source checkpoint {source}")
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
-    store_dir, store_what = artifacts.store_source(cfg.store, source_sha)
+    store_dir, store_what = store_source(cfg.store, source_sha)
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
               "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT, "tools": mf.tool_versions(),
               "backend": cfg.backend,
-              "store": store_dir and {"from": store_what, "sha256": mf.sha256(artifacts.text_file(store_dir))},
+              "store": store_dir and {"from": store_what, "sha256": mf.sha256(text_file(store_dir))},
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
               "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
               else None}
@@ -127,7 +127,7 @@ def build(cfg: BuildConfig) -> Path:
         stale.unlink(missing_ok=True)
     if store_dir is not None:
         stage(f"indexing the datastore ({store_what})")
-        store = artifacts.build_store(store_dir, out)
+        store = build_store(store_dir, out)
         engines["store"] = {"path": TOKENS, "index": SUFFIXES, "precision": "int32", "layers": 0,
                             "tokens": int(len(store.tokens)), "from": store_what}
     else:
