@@ -84,11 +84,11 @@ def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, lab
 
 def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> dict:
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
-    from spork_trt.config import GenerateConfig, SpecConfig
+    from spork_trt.config import AUTO_DRAFT, GenerateConfig, SpecConfig
     from spork_trt.runtime import Runtime
 
     rt = Runtime.from_engines(engines)
-    spec = SpecConfig.for_draft(SpecConfig.draft)
+    spec = SpecConfig.for_draft(AUTO_DRAFT)  # what the server renders (--draft auto)
     ids = [rt.tokenizer.encode_prompt(p) for p in prompts]
     rt.generate(ids[0], GenerateConfig(max_new_tokens=16), mode, spec)  # warm-up
     tokens, t = 0, time.perf_counter()

@@ -83,7 +83,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--unary-instances", type=int, default=RepoConfig.unary_instances,
                    help="spork_unary instances (no engines: they call spork), unary requests served at once "
                         "(default: %(default)s)")
-    t.add_argument("--draft", default="ngram", help="the drafter the server uses (default: %(default)s)")
+    t.add_argument("--draft", default=RepoConfig.draft,
+                   help="the drafter the server uses (default: %(default)s: store when the engines have a datastore, "
+                        "else ngram)")
     c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from spork_trt.export.calibrate import CalibrateConfig
@@ -118,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=D.slots, help="requests decoded together (default: %(default)s)")
     s.add_argument("--seed", type=int, default=D.seed, help="Magpie sampling and stdlib choice (default: %(default)s)")
     k = sub.add_parser("pack", help="a self-data run -> the corpus that ships in the package for its target "
-                       "(spork_trt/artifacts/NAME)", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "(spork_trt/artifacts/NAME)", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     k.add_argument("--data", default=str(D.out), help="a finished self-data folder (default: %(default)s)")
     k.add_argument("--out", default=None, help="default: spork_trt/artifacts/<the engines' model name>")
     k.add_argument("--engines", default=str(D.engines), help="the build the data came from (default: %(default)s)")

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import DRAFT_HELP, GenerateConfig, SamplingConfig, SpecConfig
+from .config import AUTO_DRAFT, DRAFT_HELP, GenerateConfig, SamplingConfig, SpecConfig
 from .errors import UserError
 
 GENERATE_EXAMPLES = """examples:
@@ -46,9 +46,10 @@ def build_parser() -> Parser:
     g.add_argument("--target-acceptance", type=float, default=SpecConfig.target_acceptance,
                    help="the acceptance rate of verified draft nodes the verifier's pruning threshold steers toward: "
                         "higher prunes more (default: %(default)s)")
-    g.add_argument("--draft", default=SpecConfig.draft,
-                   help=f"{DRAFT_HELP} (hybrid: ngram, else self-int8; the torch engine has self-int8 and "
-                        "self-int4, --engines has whichever the build made) (default: %(default)s)")
+    g.add_argument("--draft", default=AUTO_DRAFT,
+                   help=f"{DRAFT_HELP} (auto: store when --engines has a datastore, else ngram; hybrid: ngram, "
+                        "else self-int8; the torch engine has self-int8 and self-int4, --engines has whichever the "
+                        "build made) (default: %(default)s)")
     g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
     g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")
     g.add_argument("--tree-budget", type=int, default=None, help="most draft nodes per step (default: per drafter)")

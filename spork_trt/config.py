@@ -69,14 +69,16 @@ class GenerateConfig:
 # quantized copies of the target (export/quantize.py says how each is made); `self-Q` drafts with copy Q
 QUANTS = ("int8", "int4", "int8-dynamic", "int8-static", "fp8")
 SELF_DRAFTS = tuple(f"self-{q}" for q in QUANTS)
-DRAFT_HELP = f"ngram | store | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
+AUTO_DRAFT = "auto"  # the best measured drafter a runtime has: store with a datastore, else ngram (README)
+DRAFT_HELP = f"auto | ngram | store | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
 
 VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well at twice the cost (README)
 
 # Tree shape (width, depth, budget) per drafter kind, from `python -m bench run` (README): model drafters pay per
 # depth, so they draft chains; the n-gram drafter is free, so it drafts a wider tree.
 DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
-    "ngram": (3, 6, 12), "store": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4), "model": (1, 4, 4),
+    "ngram": (3, 6, 12), "store": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4),
+    "model": (1, 4, 4),
     "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
     # not swept: chains as short as self-int4's, since they agree less with the target than self-int8 (README)
     "self-int8-dynamic": (1, 3, 3), "self-int8-static": (1, 3, 3), "self-fp8": (1, 3, 3),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import AUTO_DRAFT, DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .core import Request
 from .datastore import Datastore
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
@@ -28,7 +28,7 @@ TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantiz
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in ("ngram", "store", "hybrid", *SELF_DRAFTS) and not arg:
+    if kind in (AUTO_DRAFT, "ngram", "store", "hybrid", *SELF_DRAFTS) and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -109,6 +109,15 @@ class Runtime:
         store = Datastore.load(d) if "store" in built else None
         return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store)
 
+    @property
+    def default_draft(self) -> str:
+        """What `--draft auto` means here: the best measured drafter this runtime has (README, Learned drafts)."""
+        return "store" if self.store is not None else "ngram"
+
+    def resolve(self, spec: SpecConfig) -> SpecConfig:
+        """`spec` with draft `auto` replaced by this runtime's default drafter (the tree shape kept)."""
+        return replace(spec, draft=self.default_draft) if spec.draft == AUTO_DRAFT else spec
+
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
         with self._lock:
@@ -121,7 +130,7 @@ class Runtime:
         return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
-        kind, _ = parse_draft(name, self.cfg.n_layers)
+        kind, _ = parse_draft(self.resolve(SpecConfig(draft=name)).draft, self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
         if kind == "store":
@@ -140,6 +149,7 @@ class Runtime:
                 spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> Request:
         """One request for the engine core, with its own drafter and verifier (over the shared weights)."""
         assert mode in MODES, mode
+        spec = self.resolve(spec)
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
         check_verifier(mode, spec, cfg, head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import io_spec
-from .config import GenerateConfig, SamplingConfig, SpecConfig
+from .config import AUTO_DRAFT, GenerateConfig, SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore, Request
 from .cost_model import ema
 from .errors import QueueFull, UserError
@@ -229,11 +229,11 @@ class Service:
         self._thread.start()
 
     @classmethod
-    def load(cls, engines: Path, draft: str = SpecConfig.draft,
+    def load(cls, engines: Path, draft: str = AUTO_DRAFT,
              providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8)
              ) -> Service:
         rt = Runtime.from_engines(engines, providers)
-        spec = SpecConfig.for_draft(draft)
+        spec = rt.resolve(SpecConfig.for_draft(draft))
         if spec.draft not in ("ngram", "store", "hybrid"):
             rt.draft_engine(spec.draft)  # load it now, not on the first request
         return cls(rt, spec, core)

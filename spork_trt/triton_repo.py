@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import io_spec
-from .config import SpecConfig
+from .config import AUTO_DRAFT, SpecConfig
 from .errors import UserError
 
 PROFILES = ("cpu", "gpu")
@@ -31,7 +31,7 @@ class RepoConfig:
     profile: str = "cpu"  # cpu | gpu
     instances: int = 1  # spork model instances (each one engine core over its own KV pool)
     slots: int = 16  # requests one instance decodes at once (KV pool slots); more queue
-    draft: str = SpecConfig.draft
+    draft: str = AUTO_DRAFT  # resolved by the server: store when the engines have a datastore, else ngram
     max_context: int = 0  # positions a request may use (prompt + max_tokens); 0: the model's context window
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
     unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once

@@ -27,6 +27,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--draft", "bogus"], "unknown --draft 'bogus'"),
     (["generate", "hi", "--draft", "early-exit:99"], "needs N in 1..29"),
     (["generate", "hi", "--draft", "self-fp8"], "runs on ONNX Runtime engines"),  # torch engine: int8/int4 only
+    (["generate", "hi", "--draft", "store"], "needs a build with a datastore"),  # the torch engine has none
     (["generate", "hi", "--tau", "0.5"], "add --mode gate"),
     (["generate", "hi", "--mode", "gate", "--tau", "1.5"], "--tau must be in (0, 1]"),
     (["generate", "hi", "--mode", "gate"], "needs --tau"),

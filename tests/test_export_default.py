@@ -22,8 +22,10 @@ def run(*args):
 def test_build_writes_manifest_and_is_idempotent(default_engines):
     m = json.loads((default_engines / "manifest.json").read_text())
     assert m["format_version"] == 1 and m["model"]["n_layers"] == 30 and m["model"]["family"] == "llama"
-    assert set(m["engines"]) == {"target", "verifier", "self-int8", "self-int4"}
-    for name in ("target.onnx", "verifier.onnx", "draft_int8.onnx", "draft_int4.onnx", "tokenizer.json"):
+    assert set(m["engines"]) == {"target", "verifier", "self-int8", "self-int4", "store"}
+    assert m["engines"]["store"]["from"].startswith("shipped ")  # the corpus the package ships for this model
+    for name in ("target.onnx", "verifier.onnx", "draft_int8.onnx", "draft_int4.onnx", "tokenizer.json",
+                 "store_tokens.npy", "store_sa.npy"):
         assert name in m["artifacts"] and len(m["artifacts"][name]["sha256"]) == 64
     assert len(m["source"]["sha256"]) == 64 and "onnxruntime" in m["tools"]
     again = run("export", "build", "--out", str(default_engines))
@@ -63,3 +65,12 @@ def test_export_bad_input_is_one_line(args, needle):
     r = run(*args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 or r.stderr.count("error:") == 1
+
+
+def test_draft_auto_is_the_store_where_the_engines_have_one(default_engines, default_runtime):
+    from spork_trt.config import SpecConfig
+    from spork_trt.runtime import Runtime
+
+    rt = Runtime.from_engines(default_engines)
+    assert rt.default_draft == "store" and rt.resolve(SpecConfig.for_draft("auto")).draft == "store"
+    assert default_runtime.default_draft == "ngram"  # the torch engine from a checkpoint: no datastore

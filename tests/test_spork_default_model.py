@@ -44,6 +44,7 @@ def test_spork_equals_plain_on_the_default_model(default_runtime, prompt_ids, pl
     ("self-int8", SpecConfig(draft="self-int8", tree_width=1, tree_depth=5, tree_budget=5)),
     ("ngram", SpecConfig(draft="ngram", tree_width=3, tree_depth=6, tree_budget=12)),
     ("hybrid", SpecConfig.for_draft("hybrid")),
+    ("store", SpecConfig.for_draft("store")),  # the datastore built from the shipped corpus
 ])
 def test_spork_on_onnxruntime_equals_plain_torch(default_engines, prompt_ids, plain, draft, spec):
     from spork_trt.runtime import Runtime

@@ -52,7 +52,8 @@ def run(target, prompt, n, drafter=None, spec=SpecConfig()):
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "store", "hybrid", "self-int8", "self-int4", "early-exit", "perfect", "useless"])
+@pytest.mark.parametrize("kind", ["ngram", "store", "hybrid", "self-int8", "self-int4", "early-exit", "perfect",
+                                  "useless"])
 @pytest.mark.parametrize("width,depth", [(1, 1), (1, 4), (1, 8), (2, 3), (3, 5), (4, 8), (4, 2)])
 def test_spork_greedy_equals_plain_greedy(target, kind, width, depth):
     drafter = drafter_for(kind, target)

@@ -143,7 +143,8 @@ def build(cfg: BuildConfig) -> Path:
         "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
-        "drafters": ["ngram", *(["store"] if store_dir else []), *cfg.drafts, f"early-exit:{cfg.verifier_layers}"], "tokenizer_files": tok_files,
+        "drafters": ["ngram", *(["store"] if store_dir else []), *cfg.drafts, f"early-exit:{cfg.verifier_layers}"],
+        "tokenizer_files": tok_files,
         "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
     })
     render_triton(out)

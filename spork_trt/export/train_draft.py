@@ -218,15 +218,11 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     f = extract(target, seqs, taps, cfg.out / f"features-{key}")
     test = [i for i, r in enumerate(rows) if heldout(str(r["id"]))]
     train = [i for i, r in enumerate(rows) if not heldout(str(r["id"]))][:cfg.limit]
-    counts = Counter(np.concatenate([np.asarray(f.labels[f.seq(s)]) for s in train]).tolist())
-    d2t = torch.tensor(sorted(t for t, _ in counts.most_common(cfg.vocab)), dtype=torch.long)  # [N]
-    coverage = sum(counts[int(t)] for t in d2t) / sum(counts.values())
-    t2d = torch.full((mcfg.vocab_size,), -100, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
+    vocab = draft_vocab(f, train, cfg.vocab, mcfg.vocab_size)
     head = DraftHead(hc)
-    head.init_from_target(target, d2t)
+    head.init_from_target(target, vocab.d2t)
     embed = target.embed.requires_grad_(False)
-    head, embed, t2d = head.to(cfg.device), embed.to(cfg.device), t2d.to(cfg.device)
+    head, embed, t2d = head.to(cfg.device), embed.to(cfg.device), vocab.t2d.to(cfg.device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     per_epoch = math.ceil(len(train) / cfg.batch)
     total_steps, warm = per_epoch * cfg.epochs, max(1, per_epoch * cfg.epochs // 20)
@@ -237,48 +233,70 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     if cfg.resume and (ckpt / "state.json").is_file():
         state = resume(ckpt, head, opt, sched)
         stage(f"resumed after epoch {state['epoch']}")
-    stage(f"{len(train)} training / {len(test)} held-out sequences; draft vocabulary {len(d2t)} tokens covers "
-          f"{coverage:.1%} of the target's top-1 tokens; {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M "
-          f"parameters; {cfg.steps} unrolled steps")
+    params = sum(p.numel() for p in head.parameters()) / 1e6
+    stage(f"{len(train)} training / {len(test)} held-out sequences; draft vocabulary {cfg.vocab} tokens covers "
+          f"{vocab.coverage:.1%} of the target's top-1 tokens; {params:.1f}M parameters; {cfg.steps} unrolled steps")
     if not state["evals"]:  # the untrained head (LM head rows copied from the target): what training adds
         state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg))]
     rng = np.random.default_rng(cfg.seed)
     orders = [rng.permutation(train).tolist() for _ in range(cfg.epochs)]
-    t0 = time.perf_counter()
     for epoch in range(state["epoch"], cfg.epochs):
-        head.train()
-        total, n, last = 0.0, 0, time.perf_counter()
-        for tok, lab, fe, valid in batches(f, orders[epoch], cfg.batch, cfg.max_len, cfg.device):
-            out = unroll(head, embed, tok, fe, lab, valid, cfg.steps, t2d)
-            loss = sum(o[0] for o in out) / len(out)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            total, n = total + loss.item(), n + 1
-            if time.perf_counter() - last > 30:
-                last = time.perf_counter()
-                stage(f"epoch {epoch + 1}/{cfg.epochs}: batch {n}/{per_epoch}, loss {total / n:.3f}, "
-                      f"{(last - t0) / 60:.1f} min")
-        head.eval()
-        ev = evaluate(head, embed, f, test, cfg.steps, t2d, cfg)
-        state = {"epoch": epoch + 1, "losses": state["losses"] + [round(total / max(n, 1), 4)],
+        loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}")
+        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg)
+        state = {"epoch": epoch + 1, "losses": state["losses"] + [round(loss, 4)],
                  "evals": state["evals"] + [asdict(ev)]}
-        stage(f"epoch {epoch + 1}: loss {total / max(n, 1):.3f}; held-out agreement by depth "
+        stage(f"epoch {epoch + 1}: loss {loss:.3f}; held-out agreement by depth "
               f"{', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length {ev.accepted_length:.2f}")
         checkpoint(ckpt, head, opt, sched, state)
     recipe = json.loads((cfg.data / artifacts.RECIPE).read_text()) if (cfg.data / artifacts.RECIPE).is_file() \
         else {}
     meta = {"data": str(cfg.data), "recipe": recipe, "target_sha256": recipe.get("target_sha256"),
             "train_sequences": len(train), "heldout_sequences": len(test),
-            "train_tokens": int(sum(f.seq(s).stop - f.seq(s).start for s in train)), "vocab_coverage": coverage,
+            "train_tokens": int(sum(f.seq(s).stop - f.seq(s).start for s in train)),
+            "vocab_coverage": vocab.coverage,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
             "taps": list(taps), **state}
     head.save(cfg.out, meta)
     (cfg.out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
     stage(f"saved {cfg.out / 'head.safetensors'}")
     return meta
+
+
+@dataclass(frozen=True)
+class Vocab:
+    d2t: torch.Tensor  # [N] draft id -> target id (ascending)
+    t2d: torch.Tensor  # [V] target id -> draft id; -100 (ignored by the loss) outside the draft vocabulary
+    coverage: float  # share of the training labels inside it
+
+
+def draft_vocab(f: Features, train: list[int], n: int, v: int) -> Vocab:
+    """The `n` most frequent target top-1 tokens of the training sequences (FR-Spec / EAGLE-3 draft vocabulary)."""
+    counts = Counter(np.concatenate([np.asarray(f.labels[f.seq(s)]) for s in train]).tolist())
+    d2t = torch.tensor(sorted(t for t, _ in counts.most_common(n)), dtype=torch.long)  # [N]
+    t2d = torch.full((v,), -100, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    return Vocab(d2t, t2d, sum(counts[int(t)] for t in d2t) / sum(counts.values()))
+
+
+def train_epoch(head, embed, f: Features, order: list[int], t2d, opt, sched, cfg: TrainConfig, what: str) -> float:
+    """One pass over `order` (sequence indices); the mean loss over unrolled steps and batches."""
+    head.train()
+    total, n, t0 = 0.0, 0, time.perf_counter()
+    last = t0
+    for tok, lab, fe, valid in batches(f, order, cfg.batch, cfg.max_len, cfg.device):
+        out = unroll(head, embed, tok, fe, lab, valid, cfg.steps, t2d)
+        loss = sum(o[0] for o in out) / len(out)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        total, n = total + loss.item(), n + 1
+        if time.perf_counter() - last > 30:
+            last = time.perf_counter()
+            left = (last - t0) / n * (math.ceil(len(order) / cfg.batch) - n)
+            stage(f"{what}: batch {n}, loss {total / n:.3f}, ~{left / 60:.0f} min left in the epoch")
+    return total / max(n, 1)
 
 
 def checkpoint(d: Path, head, opt, sched, state: dict) -> None:
