@@ -59,3 +59,23 @@ def test_head_trains_saves_and_resumes(target, data, tmp_path):
     assert meta["heldout_sequences"] > 0 and meta["train_sequences"] + meta["heldout_sequences"] == 160
     more = train_draft(replace(cfg, epochs=5, resume=True), target)  # one more epoch from the checkpoint
     assert more["epoch"] == 5 and more["losses"][:4] == first["losses"] and len(more["evals"]) == 6
+
+
+def test_feature_extraction_resumes_where_it_stopped(target, tmp_path):
+    from spork_trt.export.train_draft import extract
+
+    seqs = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
+    full = extract(target, seqs, (1, 3), tmp_path / "full")
+    assert full.feats.shape == (12, 2 * target.cfg.dim) and list(full.offsets) == [0, 5, 8, 12]
+    part = tmp_path / "part"
+    extract(target, seqs, (1, 3), part)
+    (part / "done").unlink()
+    (part / "progress").write_text("1\n")  # as if interrupted after the first sequence
+    import numpy as np
+
+    f = np.load(part / "feats.npy", mmap_mode="r+")
+    f[5:] = 0
+    f.flush()
+    again = extract(target, seqs, (1, 3), part)
+    assert np.array_equal(np.asarray(again.feats), np.asarray(full.feats))
+    assert np.array_equal(np.asarray(again.labels), np.asarray(full.labels))

@@ -74,33 +74,40 @@ def heldout(seq_id: str) -> bool:
 
 
 def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path) -> Features:
-    """The target's features and top-1 labels over `seqs`, computed once into `folder` (reused when complete)."""
+    """The target's features and top-1 labels over `seqs`, computed once into `folder` (reused when complete; an
+    interrupted extraction resumes from the last sequence it recorded)."""
     names = ("tokens", "labels", "feats", "offsets")
     if (folder / "done").is_file():
         return Features(*(np.load(folder / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in names))
     folder.mkdir(parents=True, exist_ok=True)
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
     n, width = int(offsets[-1]), len(taps) * target.cfg.dim
-    feats = np.lib.format.open_memmap(folder / "feats.npy", "w+", np.float16, (n, width))
-    labels = np.zeros(n, dtype=np.int32)
-    t0, last = time.perf_counter(), 0.0
+    progress = folder / "progress"
+    start = int(progress.read_text()) if progress.is_file() else 0
+    mode = "r+" if start else "w+"
+    feats = np.lib.format.open_memmap(folder / "feats.npy", mode, np.float16, (n, width))  # [N, k*C]
+    labels = np.lib.format.open_memmap(folder / "labels.npy", mode, np.int32, (n,))  # [N]
+    if start:
+        stage(f"features: resuming after {start}/{len(seqs)} sequences")
+    t0, last = time.perf_counter(), time.perf_counter()
     from ..model import causal_mask
 
     with torch.no_grad():
-        for i, s in enumerate(seqs):
-            ids = torch.tensor([s])  # [1, T]
-            out = target(ids, torch.arange(len(s))[None], causal_mask(0, len(s)), taps=taps)
+        for i in range(start, len(seqs)):
+            s = seqs[i]
+            out = target(torch.tensor([s]), torch.arange(len(s))[None], causal_mask(0, len(s)), taps=taps)
             a, b = offsets[i], offsets[i + 1]
             feats[a:b] = out.hidden[0].numpy().astype(np.float16)
             labels[a:b] = out.logits[0].argmax(-1).numpy()
             if time.perf_counter() - last > 15 or i + 1 == len(seqs):
+                feats.flush()
+                labels.flush()
+                progress.write_text(f"{i + 1}\n")
                 last = time.perf_counter()
-                rate = b / (last - t0)
+                rate = (b - offsets[start]) / (last - t0)
                 stage(f"features: {i + 1}/{len(seqs)} sequences, {rate:.0f} tokens/s, "
                       f"~{(n - b) / max(rate, 1e-9) / 60:.0f} min left")
-    feats.flush()
     np.save(folder / "tokens.npy", np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]))
-    np.save(folder / "labels.npy", labels)
     np.save(folder / "offsets.npy", offsets)
     (folder / "done").write_text("ok\n")
     return extract(target, seqs, taps, folder)
@@ -152,6 +159,14 @@ def unroll(head: DraftHead, embed, tokens, feats, labels, valid, steps: int, t2d
     return out
 
 
+def by_length(f: Features, order: list[int], batch: int, window: int = 16) -> list[int]:
+    """`order` with each run of `window` batches sorted by length: batches of similar lengths (less padding),
+    still shuffled between runs."""
+    span = batch * window
+    length = lambda s: f.seq(s).stop - f.seq(s).start  # noqa: E731
+    return [s for i in range(0, len(order), span) for s in sorted(order[i:i + span], key=length)]
+
+
 def batches(f: Features, seqs: list[int], size: int, max_len: int, device: str):
     """Padded batches (tokens, labels, feats, valid) of `size` sequences from `seqs` (indices into f)."""
     for i in range(0, len(seqs), size):
@@ -181,7 +196,8 @@ def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: Tr
     hits, counts = [0] * steps, [0] * steps
     chain, roots = 0.0, 0
     with torch.no_grad():
-        for tok, lab, fe, valid in batches(f, seqs, cfg.batch, cfg.max_len, cfg.device):
+        for tok, lab, fe, valid in batches(f, by_length(f, seqs, cfg.batch, len(seqs)), cfg.batch, cfg.max_len,
+                                           cfg.device):
             out = unroll(head, embed, tok, fe, lab, valid, steps, t2d)
             for j, (_, correct, counted) in enumerate(out):
                 hits[j] += int(correct.sum())
@@ -239,7 +255,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     if not state["evals"]:  # the untrained head (LM head rows copied from the target): what training adds
         state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg))]
     rng = np.random.default_rng(cfg.seed)
-    orders = [rng.permutation(train).tolist() for _ in range(cfg.epochs)]
+    orders = [by_length(f, rng.permutation(train).tolist(), cfg.batch) for _ in range(cfg.epochs)]
     for epoch in range(state["epoch"], cfg.epochs):
         loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}")
         ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg)
