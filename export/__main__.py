@@ -99,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
                         "for the n-gram drafter, collected once and cached)")
     c.add_argument("--max-new-tokens", type=int, default=CalibrateConfig.max_new_tokens)
     c.add_argument("--draft", default=CalibrateConfig.draft,
-                   help="the drafter whose trees are scored; the head is saved for it (default: %(default)s)")
+                   help="the drafter whose trees are scored; the head is saved for it (default: %(default)s, the "
+                        "drafter generate uses by default: store when the engines have a datastore, else ngram)")
     c.add_argument("--tree-depth", type=int, default=None,
                    help="draft depth while collecting (default: the drafter's own; deeper labels more depths)")
     c.add_argument("--plot", default=None, help="reliability diagram PNG (default: ENGINES/calibration/...)")

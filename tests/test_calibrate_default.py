@@ -39,9 +39,9 @@ def test_calibrate_reports_per_depth_metrics_and_saves_the_head(calibrated):
     for m in out["per_depth"]:
         assert set(m) >= {"depth", "n", "ece", "ece_floor", "auroc", "brier"} and m["n"] > 0 and 0 <= m["ece"] <= 1
         assert 0 <= m["ece_floor"] < 0.5
-    head = json.loads((d / head_file("ngram")).read_text())
-    assert head["verifier_layers"] == 8 and head["meta"]["heldout"] == "humaneval" and head["meta"]["draft"] == "ngram"
-    assert (d / "calibration" / "reliability-ngram.png").stat().st_size > 1000
+    head = json.loads((d / head_file("store")).read_text())  # --draft auto: the store, as generate's default
+    assert head["verifier_layers"] == 8 and head["meta"]["heldout"] == "humaneval" and head["meta"]["draft"] == "store"
+    assert (d / "calibration" / "reliability-store.png").stat().st_size > 1000
     assert list((d / "calibration").glob("nodes-*.npz"))  # a rerun reuses the collected nodes
     again = cli(*CALIBRATE, "--engines", str(d))
     assert again.returncode == 0 and "labelled nodes from" in again.stderr and "ECE" in again.stdout
@@ -67,7 +67,7 @@ def test_verifier_on_is_lossless_and_gate_mode_is_marked_lossy(calibrated, promp
 
 
 def test_a_head_scores_only_the_drafter_it_was_fitted_on(calibrated):
-    """The n-gram head is not used for the INT8 self-draft (the drafter's own score means something else there):
+    """The store drafter's head is not used for the INT8 self-draft (the drafter's own score means something else there):
     auto runs without scoring, a forced verifier says which calibration to run."""
     calibrated, _ = calibrated
     prompt = "Name three rivers."

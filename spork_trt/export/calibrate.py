@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ..config import GenerateConfig, SpecConfig
+from ..config import AUTO_DRAFT, GenerateConfig, SpecConfig
 from ..errors import UserError
 from ..generate import generate
 from ..prompts import load_prompts
@@ -33,7 +33,7 @@ class CalibrateConfig:
     heldout: str | None = None  # reported on (default: the other built-in set)
     limit: int | None = None  # prompts per set (None: all, 80 MT-bench and 164 HumanEval; about 15 minutes here)
     max_new_tokens: int = 128
-    draft: str = "ngram"  # the drafter whose trees are scored: the head is saved for it alone
+    draft: str = AUTO_DRAFT  # the drafter whose trees are scored (auto: the runtime's default); the head is for it
     tree_depth: int | None = None  # draft depth while collecting (default: the drafter's own shape)
     plot: Path | None = None  # default: ENGINES/calibration/reliability-<drafter>.png
 
@@ -204,6 +204,7 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
     if heldout == cfg.prompts:
         raise UserError("--heldout must differ from --prompts: metrics on the fitting prompts say little")
     rt = Runtime.from_engines(cfg.engines, load_head=False)  # an old head may be stale: it is being replaced
+    cfg = replace(cfg, draft=rt.resolve(SpecConfig(draft=cfg.draft)).draft)  # auto: store or ngram, as generate
     verifier = rt.verifier()  # headless: the runtime was loaded without one
     log(f"{rt.verifier_layers}-layer verifier, {cfg.draft} drafter, {cfg.limit or 'all'} prompts x "
         f"{cfg.max_new_tokens} tokens per set")
