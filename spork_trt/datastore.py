@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .tree import covered
 
 TOKENS, SUFFIXES = "store_tokens.npy", "store_sa.npy"
 SEP = -1  # sequence separator; never a token id
@@ -110,7 +111,7 @@ class Datastore:
         ranked = sorted(set(conts), key=lambda c: ([-prefix[c[:k]] for k in range(1, len(c) + 1)] + [1], c))
         out: list[tuple[list[int], float]] = []  # the most frequent path first, then the next most frequent forks
         for cont in ranked:
-            if any(o[:len(cont)] == list(cont) for o, _ in out):
+            if covered([o for o, _ in out], cont):
                 continue
             out.append((list(cont), prefix[cont[:1]] / len(picks)))
             if len(out) == width:

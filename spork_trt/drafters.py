@@ -24,7 +24,7 @@ from .config import SamplingConfig, SpecConfig
 from .datastore import KEY, Datastore
 from .engines import forward_chain, prefill
 from .sampling import processed_probs
-from .tree import DraftTree
+from .tree import DraftTree, covered
 from .verify import Verdict
 
 
@@ -192,7 +192,7 @@ class NgramDrafter:
                 cont = ctx[i + n:i + n + depth]
                 if len(cont) < depth and i + n + len(cont) == len(ctx):
                     cont.append(root)  # the continuation runs into the root itself
-                if cont and not any(c[:len(cont)] == cont for c in conts):
+                if cont and not covered(conts, cont):
                     conts.append(cont)
                     scores.append(n / self.max_n)
                     if len(conts) >= width:
@@ -243,7 +243,7 @@ class StoreDrafter:
             ctx = self.ngram.context
             query = [*ctx[max(0, len(ctx) - KEY + 1):], root]  # [<= KEY]
             for cont, share in self.store.continuations(query, spec.tree_depth, spec.tree_width):
-                if not any(c[:len(cont)] == cont for c in conts):
+                if not covered(conts, cont):
                     conts.append(cont)
                     scores.append(share)
                     if len(conts) == spec.tree_width:

@@ -114,9 +114,13 @@ class Runtime:
         """What `--draft auto` means here: the best measured drafter this runtime has (README, Learned drafts)."""
         return "store" if self.store is not None else "ngram"
 
+    def resolve_draft(self, name: str) -> str:
+        """A --draft value with `auto` replaced by this runtime's default drafter."""
+        return self.default_draft if name == AUTO_DRAFT else name
+
     def resolve(self, spec: SpecConfig) -> SpecConfig:
-        """`spec` with draft `auto` replaced by this runtime's default drafter (the tree shape kept)."""
-        return replace(spec, draft=self.default_draft) if spec.draft == AUTO_DRAFT else spec
+        """`spec` with draft `auto` resolved (the tree shape kept)."""
+        return replace(spec, draft=self.resolve_draft(spec.draft))
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
@@ -130,7 +134,7 @@ class Runtime:
         return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
-        kind, _ = parse_draft(self.resolve(SpecConfig(draft=name)).draft, self.cfg.n_layers)
+        kind, _ = parse_draft(self.resolve_draft(name), self.cfg.n_layers)
         if kind == "ngram":
             return NgramDrafter(SpecConfig.ngram_max)
         if kind == "store":

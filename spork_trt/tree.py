@@ -108,3 +108,9 @@ PRESETS: dict[str, list[tuple[int, ...]]] = {
     "binary3": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)],
     "medusa-small": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)],
 }
+
+
+def covered(continuations, cont) -> bool:
+    """Whether `cont` is a prefix of (or equal to) one of `continuations`: it would add no node to their trie."""
+    cont = list(cont)
+    return any(list(c[:len(cont)]) == cont for c in continuations)

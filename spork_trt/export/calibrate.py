@@ -204,7 +204,7 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
     if heldout == cfg.prompts:
         raise UserError("--heldout must differ from --prompts: metrics on the fitting prompts say little")
     rt = Runtime.from_engines(cfg.engines, load_head=False)  # an old head may be stale: it is being replaced
-    cfg = replace(cfg, draft=rt.resolve(SpecConfig(draft=cfg.draft)).draft)  # auto: store or ngram, as generate
+    cfg = replace(cfg, draft=rt.resolve_draft(cfg.draft))  # auto: store or ngram, as generate
     verifier = rt.verifier()  # headless: the runtime was loaded without one
     log(f"{rt.verifier_layers}-layer verifier, {cfg.draft} drafter, {cfg.limit or 'all'} prompts x "
         f"{cfg.max_new_tokens} tokens per set")
