@@ -266,11 +266,13 @@ class EngineCore:
             n = min(len(r.prompt_ids) - r.prefilled, left)
             if n <= 0:
                 break
-            chunks.append((r, chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n])))
+            last = r.prefilled + n == len(r.prompt_ids)  # the prompt's last chunk: its last row's logits only
+            chunks.append((r, chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
+                                          (n - 1,) if last else ())))
             left -= n
         if not chunks:
             return
-        for (r, s), logits in zip(chunks, self.engine.forward_batch([s for _, s in chunks])):
+        for (r, s), logits in zip(chunks, self.engine.forward_batch([s for _, s in chunks])):  # [1 or 0, V]
             r.target.commit()
             r.prefilled += len(s.tokens)
             if r.prefilled < len(r.prompt_ids):

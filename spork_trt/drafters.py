@@ -66,7 +66,7 @@ class ModelDrafter:
         eng = self.engine
         base = eng.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
-        logits = forward_chain(eng, run)[-1:]  # [1, V]
+        logits = forward_chain(eng, run, last=True)  # [1, V]
         tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
         self.rows = {0: len(run) - 1}
         level = [0]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 
-# symbolic dims: batch B, new tokens T, past positions P, total S = P + T
-BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "total_len"
+# symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T)
+BATCH, NEW, PAST, TOTAL, ROWS = "batch", "new_tokens", "past_len", "total_len", "logit_rows"
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,11 @@ def kv_names(n_layers: int) -> list[tuple[str, str, str, str]]:
 def inputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
     kv = (BATCH, PAST, cfg.n_kv_heads, cfg.head_dim)
     out = [TensorSpec("input_ids", "int64", (BATCH, NEW)), TensorSpec("position_ids", "int64", (BATCH, NEW)),
-           TensorSpec("attention_mask", "bool", (BATCH, NEW, TOTAL))]
+           TensorSpec("attention_mask", "bool", (BATCH, NEW, TOTAL)),
+           # the rows whose logits the graph computes, as flat indices b * T + t into the [B, T] new tokens: a
+           # prefill chunk asks for its last row, a padded batch for its real rows only (the LM head is about a
+           # fifth of a row's compute for the default model)
+           TensorSpec("logit_rows", "int64", (ROWS,))]
     for pk, pv, _, _ in kv_names(n_layers):
         out += [TensorSpec(pk, "float32", kv), TensorSpec(pv, "float32", kv)]
     return out
@@ -37,7 +41,7 @@ def inputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
 
 def outputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
     kv = (BATCH, NEW, cfg.n_kv_heads, cfg.head_dim)
-    out = [TensorSpec("logits", "float32", (BATCH, NEW, cfg.vocab_size))]
+    out = [TensorSpec("logits", "float32", (ROWS, cfg.vocab_size))]
     for _, _, nk, nv in kv_names(n_layers):
         out += [TensorSpec(nk, "float32", kv), TensorSpec(nv, "float32", kv)]
     return out

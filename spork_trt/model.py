@@ -30,7 +30,7 @@ class KVStore(Protocol):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor  # [B, T, V], or [R, V] at `logit_rows`
     hidden: torch.Tensor | None  # [B, T, k*C]: the hidden states after each of the k `taps` layers, when asked for
 
 
@@ -157,6 +157,7 @@ class Transformer(nn.Module):
         kv: KVStore | None = None,
         exit_layer: int | None = None,  # run only the first `exit_layer` layers, then norm + LM head
         taps: tuple[int, ...] = (),  # also return the hidden states after these many layers (the draft head's features)
+        logit_rows: torch.Tensor | None = None,  # [R] flat indices b * T + t: logits [R, V] at those rows only
     ) -> ModelOutput:
         n = self.cfg.n_layers if exit_layer is None else exit_layer
         assert 0 < n <= self.cfg.n_layers, f"exit_layer must be in 1..{self.cfg.n_layers}"
@@ -169,6 +170,8 @@ class Transformer(nn.Module):
             if i + 1 in taps:
                 tapped[i + 1] = x
         hidden = torch.cat([tapped[t] for t in taps], dim=-1) if taps else None  # [B, T, k*C]
+        if logit_rows is not None:
+            x = x.reshape(-1, x.shape[-1])[logit_rows]  # [R, C]
         return ModelOutput(logits=self.lm_head(self.norm(x)), hidden=hidden)
 
 

@@ -83,6 +83,14 @@ def test_forward_batch_equals_one_sequence_forwards(tiny, kind):
         assert c.pending == a.pending == len(p)
         k, ka = torch.as_tensor(c.k), torch.as_tensor(a.k)
         assert torch.allclose(k, ka, atol=1e-5)  # the new rows went into each sequence's own slot
+    # logits at asked-for rows only (none, the last, a few) are those rows of the full logits; the caches are the same
+    ask = [(), (len(PROMPTS[1]) - 1,), (0, 2)]
+    rows = eng.make_pool(3, 64)
+    part = eng.forward_batch([chain_input(rows.caches[i], p, a) for i, (p, a) in enumerate(zip(PROMPTS, ask))])
+    for g, w, a in zip(part, want, ask):
+        assert g.shape == (len(a), eng.cfg.vocab_size) and torch.allclose(g, w[list(a)], atol=1e-4)
+    for c, a in zip(rows.caches, alone.caches):
+        assert torch.allclose(torch.as_tensor(c.k), torch.as_tensor(a.k), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["torch", "onnx"])

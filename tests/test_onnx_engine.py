@@ -75,6 +75,14 @@ def test_engine_interface_invariants(tiny, make):
     engine.truncate(7)
     out = engine.forward(torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1))[0]
     assert (out - full[7:8]).abs().max() < 1e-4
+    engine.truncate(0)  # logits at asked-for rows only: the same values, the same cache rows
+    out = engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[2, 6])[0]
+    assert out.shape == (2, model.cfg.vocab_size) and (out - full[[2, 6]]).abs().max() < 1e-4
+    engine.commit()
+    assert engine.forward(torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1), rows=[])[0].shape[0] == 0
+    engine.commit()
+    out = engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
+    assert (out - full[8:]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("draft", ["int8", "early"])

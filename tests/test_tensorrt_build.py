@@ -31,8 +31,9 @@ def test_profile_follows_io_spec(which):
     limits = TrtBuildConfig(max_new_tokens=64).limits(cfg.max_seq_len)
     shapes = profile_shapes(io_spec.inputs(cfg, cfg.n_layers), limits)
     assert list(shapes) == [spec.name for spec in io_spec.inputs(cfg, cfg.n_layers)]
-    assert len(shapes) == 3 + 2 * cfg.n_layers
+    assert len(shapes) == 4 + 2 * cfg.n_layers
     assert shapes["input_ids"] == shapes["position_ids"] == ((1, 1), (1, 8), (1, 64))
+    assert shapes["logit_rows"] == ((1,), (8,), (64,))  # max batch 1 x max new tokens
     assert shapes["attention_mask"] == ((1, 1, 1), (1, 8, so), (1, 64, s))
     kv = cfg.n_kv_heads, cfg.head_dim
     for pk, pv, _, _ in io_spec.kv_names(cfg.n_layers):
@@ -47,7 +48,7 @@ def test_profile_follows_io_spec(which):
 def test_limits_fit_a_short_context():
     limits = TrtBuildConfig(max_new_tokens=64, opt_seq_len=512, max_seq_len=12, spare_positions=4).limits(8192)
     assert limits == {io_spec.BATCH: (1, 1, 1), io_spec.NEW: (1, 8, 16), io_spec.PAST: (0, 8, 15),
-                      io_spec.TOTAL: (1, 16, 16)}
+                      io_spec.TOTAL: (1, 16, 16), io_spec.ROWS: (1, 8, 16)}
 
 
 def test_profile_keeps_fixed_dims():

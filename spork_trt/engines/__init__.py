@@ -2,13 +2,16 @@
 
 Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines follow it):
   make_pool(slots, max_len) -> KVPool              one preallocated buffer pair, a cache view per slot
-  forward_batch([SeqInput]) -> [logits [n_b, V]]   a ragged batch: each sequence's new tokens after every row its
+  forward_batch([SeqInput]) -> [logits [r_b, V]]   a ragged batch: each sequence's new tokens after every row its
                                                    cache holds (committed + pending), with its tree's own [n, n]
-                                                   ancestor mask; appends n_b pending rows to each cache. One
-                                                   forward for all of them (the engine pads to [B, T]).
+                                                   ancestor mask; appends n_b pending rows to each cache and
+                                                   returns logits at the rows it asks for (`logit_rows`; all by
+                                                   default). One forward for all of them (the engine pads to
+                                                   [B, T]; the LM head runs at the asked-for rows only).
   reset(max_len)                                   ready for a new sequence of at most max_len positions
-  forward(input_ids [B,T], position_ids [B,T], mask [B,T,S]) -> logits [B,T,V]
-                                                   S = length + pending + T; appends T pending KV rows
+  forward(input_ids [1,T], position_ids [1,T], mask [1,T,S], rows=None) -> logits [1, R, V]
+                                                   S = length + pending + T; appends T pending KV rows; R = the
+                                                   asked-for rows (None: all T)
   commit(rows=None)                                keep pending rows (indices from `length`; None: all)
   truncate(length)                                 roll back to `length` committed rows
   fresh()                                          a new engine over the same weights/session, with no cache
@@ -34,6 +37,11 @@ class SeqInput:
     tokens: tuple[int, ...]  # [n]
     positions: tuple[int, ...]  # [n]
     ancestors: torch.Tensor  # [n, n] bool: row i may attend new token j (itself and its ancestors)
+    logit_rows: tuple[int, ...] | None = None  # rows (of the n) whose logits are wanted, ascending; None: all
+
+    @property
+    def rows(self) -> list[int]:
+        return list(range(len(self.tokens))) if self.logit_rows is None else list(self.logit_rows)
 
     @property
     def context(self) -> int:
@@ -54,6 +62,13 @@ class Padded:
     position_ids: torch.Tensor  # [B, T]
     mask: torch.Tensor  # [B, T, P + T] bool
     context: list[int]  # [B] rows each sequence's cache holds
+    logit_rows: torch.Tensor  # [R] flat indices b * T + t of every sequence's asked-for rows (at least one: row 0
+    # stands in when none is asked for, so no engine sees an empty tensor)
+    counts: list[int]  # [B] asked-for rows per sequence: logits [R, V] split by these
+
+    def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """logits [R, V] -> each sequence's [r_b, V]."""
+        return list(torch.split(logits[:sum(self.counts)], self.counts))
 
     @classmethod
     def of(cls, seqs: list[SeqInput], past: int | None = None) -> Padded:
@@ -71,13 +86,15 @@ class Padded:
             ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
             mask[i, :n, :ctx[i]] = True
             mask[i, :n, p:p + n] = s.ancestors
-        return cls(ids, pos, mask, ctx)
+        flat = [i * t + r for i, s in enumerate(seqs) for r in s.rows]
+        return cls(ids, pos, mask, ctx, torch.tensor(flat or [0], dtype=torch.long), [len(s.rows) for s in seqs])
 
 
-def chain_input(cache: Rows, ids: list[int]) -> SeqInput:
+def chain_input(cache: Rows, ids: list[int], logit_rows: tuple[int, ...] | None = None) -> SeqInput:
     """Tokens as one causal chain after every row `cache` holds."""
     base, n = cache.length + cache.pending, len(ids)
-    return SeqInput(cache, tuple(ids), tuple(range(base, base + n)), torch.ones(n, n, dtype=torch.bool).tril())
+    return SeqInput(cache, tuple(ids), tuple(range(base, base + n)), torch.ones(n, n, dtype=torch.bool).tril(),
+                    logit_rows)
 
 
 class CachedEngine(ABC):
@@ -104,12 +121,12 @@ class CachedEngine(ABC):
         """One preallocated buffer pair for `slots` sequences of at most `max_len` positions."""
 
     def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
-        """Logits [n_b, V] of each sequence's new tokens; appends them as pending rows of its cache. This
-        default runs the sequences one by one (engines override it with one padded forward)."""
+        """Logits [r_b, V] at each sequence's asked-for rows; appends its new tokens as pending rows of its cache.
+        This default runs the sequences one by one (engines override it with one padded forward)."""
         out = []
         for s in seqs:
             self.cache = s.cache
-            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask())[0])
+            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows)[0])
         return out
 
     @abstractmethod
@@ -141,13 +158,14 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
     return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers)
 
 
-def forward_chain(engine, ids: list[int]) -> torch.Tensor:
-    """Run tokens as one causal chain after every row the engine holds; returns logits [T, V] (rows stay pending)."""
-    return engine.forward_batch([chain_input(engine.cache, ids)])[0]
+def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:
+    """Run tokens as one causal chain after every row the engine holds; returns logits [T, V], or [1, V] at the
+    last token only when `last` (rows stay pending)."""
+    return engine.forward_batch([chain_input(engine.cache, ids, (len(ids) - 1,) if last else None)])[0]
 
 
 def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:
     """Run a prompt and commit it; returns the last position's logits [V]."""
-    logits = forward_chain(engine, prompt_ids)
+    logits = forward_chain(engine, prompt_ids, last=True)
     engine.commit()
     return logits[-1]

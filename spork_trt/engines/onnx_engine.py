@@ -58,7 +58,7 @@ class OnnxEngine(CachedEngine):
         self.names = io_spec.kv_names(self.n_layers)
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
-        self.logits = np.zeros((1, max_new, cfg.vocab_size), dtype=np.float32)  # [1, Tmax, V]
+        self.logits = np.zeros((max_new, cfg.vocab_size), dtype=np.float32)  # [Tmax, V]
         self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
         # past rows of batched forwards (two: the step's tree batch and its prefill batch keep their own)
         self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim) for _ in range(2)]
@@ -94,9 +94,10 @@ class OnnxEngine(CachedEngine):
         t, ctx = batch.input_ids.shape[1], batch.context
         ids, pos, mask = batch.input_ids.numpy(), batch.position_ids.numpy(), batch.mask.numpy()
         new = self._scratch("new", (2, self.n_layers, b, t, hkv, d))  # [K|V, L, B, T, Hkv, D]
-        logits = self._scratch("logits", (b, t, v))
+        rows = batch.logit_rows.numpy()  # [R]
+        logits = self._scratch("logits", (len(rows), v))
         io = self.session.io_binding()
-        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask)):
+        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask), ("logit_rows", rows)):
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
@@ -104,14 +105,12 @@ class OnnxEngine(CachedEngine):
                 io.bind_output(nname, "cpu", 0, np.float32, (b, t, hkv, d), new[j, layer].ctypes.data)
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self.session.run_with_iobinding(io)
-        out = []
         for i, s in enumerate(seqs):
             n, c = len(s.tokens), s.cache
             c.k[:, 0, ctx[i]:ctx[i] + n] = new[0, :, i, :n]
             c.v[:, 0, ctx[i]:ctx[i] + n] = new[1, :, i, :n]
             c.written(n)
-            out.append(torch.from_numpy(logits[i, :n].copy()))  # [n, V]
-        return out
+        return batch.split(torch.from_numpy(logits.copy()))  # [r_b, V] each
 
     def _scratch(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A contiguous array of `shape` over a flat float32 buffer kept between batches (grown on demand). Fresh
@@ -122,8 +121,10 @@ class OnnxEngine(CachedEngine):
             buf = self.scratch[name] = np.zeros(max(n, 1), np.float32)
         return buf[:n].reshape(shape)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V]."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
+        all T)."""
         t = input_ids.shape[1]
         c = self.cache
         assert c is not None, "call reset() first"
@@ -132,12 +133,16 @@ class OnnxEngine(CachedEngine):
         assert mask.shape[-1] == past + t, (mask.shape, past)
         if past + t > c.max_len:
             raise ValueError(f"KV cache full: {past + t} positions needed, {c.max_len} allocated")
-        if t > self.logits.shape[1]:
-            self.logits = np.zeros((1, t, self._cfg.vocab_size), dtype=np.float32)
+        at = np.arange(t, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)  # [R]
+        r = len(at)
+        if r == 0:  # none asked for: row 0 stands in (no engine sees an empty tensor)
+            at = np.zeros(1, dtype=np.int64)
+        if len(at) > self.logits.shape[0]:
+            self.logits = np.zeros((len(at), self._cfg.vocab_size), dtype=np.float32)
         io = self.session.io_binding()
         feeds = {"input_ids": np.ascontiguousarray(input_ids.numpy(), dtype=np.int64),
                  "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
-                 "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_)}
+                 "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_), "logit_rows": at}
         for name, arr in feeds.items():
             io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
         hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
@@ -146,8 +151,8 @@ class OnnxEngine(CachedEngine):
                 rows = buf[layer, 0]  # [Smax, Hkv, D], contiguous
                 io.bind_input(pname, "cpu", 0, np.float32, (1, past, hkv, d), rows[:past].ctypes.data)
                 io.bind_output(nname, "cpu", 0, np.float32, (1, t, hkv, d), rows[past:past + t].ctypes.data)
-        logits = self.logits[:, :t]
+        logits = self.logits[:len(at)]  # [R, V]
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self.session.run_with_iobinding(io)
         c.written(t)
-        return torch.from_numpy(logits.copy())
+        return torch.from_numpy(logits[None, :r].copy())

@@ -30,14 +30,17 @@ class TorchEngine(CachedEngine):
         return KVPool([KVCache.over(pool.k[:, s:s + 1], pool.v[:, s:s + 1]) for s in range(slots)])
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V]."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V], or [1, R, V] at
+        `rows` (flat indices b * T + t)."""
         c = self.cache
         assert c is not None, "call reset() first"
         assert mask.shape[-1] == c.length + c.pending + input_ids.shape[1], (mask.shape, c.length, c.pending)
-        logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer).logits
+        at = None if rows is None else torch.tensor(rows, dtype=torch.long)
+        logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer, logit_rows=at).logits
         c.written(input_ids.shape[1])
-        return logits
+        return logits if rows is None else logits[None]
 
     @torch.inference_mode()
     def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
@@ -46,10 +49,11 @@ class TorchEngine(CachedEngine):
             return super().forward_batch(seqs)
         batch = Padded.of(seqs)
         kv = BatchKV(seqs, batch.context)
-        logits = self.model(batch.input_ids, batch.position_ids, batch.mask, kv, exit_layer=self.exit_layer).logits
-        for i, s in enumerate(seqs):
+        logits = self.model(batch.input_ids, batch.position_ids, batch.mask, kv, exit_layer=self.exit_layer,
+                            logit_rows=batch.logit_rows).logits  # [R, V]
+        for s in seqs:
             s.cache.written(len(s.tokens))
-        return [logits[i, :len(s.tokens)] for i, s in enumerate(seqs)]
+        return batch.split(logits)
 
 
 class BatchKV:

@@ -102,10 +102,11 @@ class TrtEngine(CachedEngine):
         a fixed stride); batches run sequence by sequence (CachedEngine.forward_batch): unverified, no GPU here."""
         return KVPool([self.make_cache(max_len) for _ in range(slots)])
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, T, V] (CPU, float32).
-        More new tokens than the plan takes (a long prompt) run as consecutive chunks: exact, since no mask row
-        attends to a later new position (causal and tree masks put parents before children)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
+        all T; CPU, float32). More new tokens than the plan takes (a long prompt) run as consecutive chunks: exact,
+        since no mask row attends to a later new position (causal and tree masks put parents before children)."""
         t = input_ids.shape[1]
         c = self.cache
         assert c is not None, "call reset() first"
@@ -115,15 +116,19 @@ class TrtEngine(CachedEngine):
         room = min(c.max_len, self.plan.max_total)
         if past + t > room:
             raise ValueError(f"KV cache full: {past + t} positions needed, {room} allocated")
+        want = list(range(t)) if rows is None else list(rows)
         chunks = []
         for a in range(0, t, self.plan.max_new):
             b = min(a + self.plan.max_new, t)
             assert not mask[:, a:b, past + b:].any(), "a new token attends to a later one"
-            chunks.append(self._run(input_ids[:, a:b], position_ids[:, a:b], mask[:, a:b, :past + b]))
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+            chunks.append(self._run(input_ids[:, a:b], position_ids[:, a:b], mask[:, a:b, :past + b],
+                                    [r - a for r in want if a <= r < b]))
+        return torch.cat(chunks, dim=0)[None]  # [1, R, V]
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One execution: input_ids, position_ids [1, T]; mask [1, T, S] with T <= max_new -> logits [1, T, V]."""
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+             rows: list[int]) -> torch.Tensor:
+        """One execution: input_ids, position_ids [1, T]; mask [1, T, S] with T <= max_new -> logits [R, V] at
+        `rows` (R = len(rows); row 0 stands in for none, its logits dropped)."""
         c, dt = self.cache, self.plan.dtypes
         t, s = mask.shape[1], mask.shape[2]
         past = s - t
@@ -137,7 +142,9 @@ class TrtEngine(CachedEngine):
         tpad = -(-self.plan.max_new // step) * step  # staging rows per layer: every layer's slice starts aligned
         self.stream.wait_stream(torch.cuda.current_stream(self.plan.device))  # commit() gathers on that stream
         with torch.cuda.stream(self.stream):
-            for name, x in (("input_ids", input_ids), ("position_ids", position_ids), ("attention_mask", mask)):
+            at = torch.tensor(rows or [0], dtype=torch.long)  # [R]
+            for name, x in (("input_ids", input_ids), ("position_ids", position_ids), ("attention_mask", mask),
+                            ("logit_rows", at)):
                 buf = self._buffer(name, x.numel(), dt[name]).view(x.shape)
                 buf.copy_(x)
                 self._bind(name, buf.data_ptr(), tuple(x.shape))
@@ -150,14 +157,14 @@ class TrtEngine(CachedEngine):
                     first = buf.data_ptr() + layer * c.max_len * row  # row 0 of this layer: [Smax, Hkv, D]
                     self._bind(pname, first, (1, past, hkv, d))
                     self._bind(nname, first + past * row if direct else st.data_ptr() + layer * tpad * row)
-            logits = self._buffer("logits", t * v, dt["logits"]).view(1, t, v)
+            logits = self._buffer("logits", len(at) * v, dt["logits"]).view(len(at), v)
             self._bind("logits", logits.data_ptr())
             if not self.context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT execute_async_v3 failed (its log says why)")
             if not direct:
                 c.k[:self.n_layers, 0, past:past + t] = stage[0][:, :t]  # the cache may have more layers
                 c.v[:self.n_layers, 0, past:past + t] = stage[1][:, :t]
-            out = logits.float().cpu()
+            out = logits[:len(rows)].float().cpu()
         self.stream.synchronize()
         c.written(t)
         return out

@@ -29,7 +29,8 @@ def prefill_feed(ids: list[int], cfg: ModelConfig, n_layers: int) -> dict[str, n
     t = len(ids)
     feed = {"input_ids": np.array([ids], np.int64),  # [1, T]
             "position_ids": np.arange(t, dtype=np.int64)[None],  # [1, T]
-            "attention_mask": causal_mask(0, t).numpy()}  # [1, T, T]
+            "attention_mask": causal_mask(0, t).numpy(),  # [1, T, T]
+            "logit_rows": np.arange(t, dtype=np.int64)}  # [R = T]
     empty = np.zeros((1, 0, cfg.n_kv_heads, cfg.head_dim), np.float32)  # [1, P=0, Hkv, D]
     for pk, pv, _, _ in io_spec.kv_names(n_layers):
         feed[pk], feed[pv] = empty, empty

@@ -104,18 +104,20 @@ class LeanBlock(nn.Module):
 
 
 class LeanGraph(nn.Module):
-    """(input_ids, position_ids, attention_mask, *past) -> (logits, *new kv) over the first `n_layers` layers."""
+    """(input_ids, position_ids, attention_mask, logit_rows, *past) -> (logits [R, V], *new kv) over the first
+    `n_layers` layers."""
 
     def __init__(self, model: Transformer, n_layers: int) -> None:
         super().__init__()
         cfg = model.cfg
-        self.g = cfg.n_heads // cfg.n_kv_heads
+        self.g, self.dim = cfg.n_heads // cfg.n_kv_heads, cfg.dim
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
         self.layers = nn.ModuleList(LeanBlock(b, cfg) for b in model.layers[:n_layers])
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)  # [D/2]
 
-    def forward(self, input_ids, position_ids, attention_mask, *past):
-        # input_ids, position_ids [B, T]; attention_mask [B, T, S] bool; past: key, value [B, P, Hkv, D] per layer
+    def forward(self, input_ids, position_ids, attention_mask, logit_rows, *past):
+        # input_ids, position_ids [B, T]; attention_mask [B, T, S] bool; logit_rows [R] flat indices into [B, T];
+        # past: key, value [B, P, Hkv, D] per layer
         x = self.embed(input_ids)  # [B, T, C]
         cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, T, 1, D]
         bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
@@ -123,4 +125,5 @@ class LeanGraph(nn.Module):
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             new += [k, v]
+        x = reshape(x, -1, self.dim)[logit_rows]  # [R, C]: the LM head runs at the asked-for rows only
         return (self.lm_head(self.norm(x)), *new)

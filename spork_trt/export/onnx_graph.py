@@ -12,7 +12,7 @@ from ..model import Transformer
 from .lean import LeanGraph
 
 OPSET = 17
-GRAPH_LAYOUT = "lean-1"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
+GRAPH_LAYOUT = "lean-2"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
 
 
 def example_inputs(model: Transformer, n_layers: int, past: int = 3, new: int = 2) -> tuple:
@@ -20,8 +20,9 @@ def example_inputs(model: Transformer, n_layers: int, past: int = 3, new: int = 
     ids = torch.zeros(1, new, dtype=torch.long)
     pos = torch.arange(past, past + new)[None]
     mask = torch.ones(1, new, past + new, dtype=torch.bool)
+    rows = torch.arange(new)  # [R]
     kv = [torch.zeros(1, past, cfg.n_kv_heads, cfg.head_dim) for _ in range(2 * n_layers)]
-    return (ids, pos, mask, *kv)
+    return (ids, pos, mask, rows, *kv)
 
 
 def export_onnx(model: Transformer, out: Path, n_layers: int | None = None) -> Path:

@@ -64,7 +64,8 @@ class TrtBuildConfig:
         t_opt = min(self.opt_new_tokens, t_max)
         s_opt = min(max(self.opt_seq_len, t_opt), s_max)
         return {io_spec.BATCH: (1, 1, self.max_batch), io_spec.NEW: (1, t_opt, t_max),
-                io_spec.PAST: (0, s_opt - t_opt, s_max - 1), io_spec.TOTAL: (1, s_opt, s_max)}
+                io_spec.PAST: (0, s_opt - t_opt, s_max - 1), io_spec.TOTAL: (1, s_opt, s_max),
+                io_spec.ROWS: (1, t_opt, self.max_batch * t_max)}
 
     def record(self, context: int) -> dict:
         """What a manifest keeps about a plan built with this config."""
