@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   python -m export self-data --magpie 1024 --stdlib 512   # the target's own text -> results/selfdata (resumable)
   python -m export pack                                   # results/selfdata -> the shipped corpus of this target
   python -m export build --store results/selfdata         # a datastore from any self-data run
+  python -m export build --head results/draft_head        # add a trained draft head (--draft eagle)
   python -m export train-draft --epochs 4 --steps 3       # the draft head on results/selfdata (--resume continues)
   python -m export train-draft --device cuda --taps 2,15,29 --vocab 8192
 """
@@ -58,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--store", default=BuildConfig.store, metavar="auto|none|DIR",
                    help="the datastore's text (--draft store): auto = the corpus shipped for this checkpoint, if any; "
                         "a folder from `export pack` or `export self-data` (default: %(default)s)")
+    b.add_argument("--head", default=BuildConfig.head, metavar="auto|none|DIR",
+                   help="the learned draft head (--draft eagle): auto = the head shipped for this checkpoint, if any; "
+                        "a `python -m export train-draft` folder (default: %(default)s)")
     i = sub.add_parser("inspect", help="print a build's manifest readably")
     i.add_argument("engines", nargs="?", default=str(BuildConfig.out))
     i.add_argument("--json", action="store_true")
@@ -243,7 +247,8 @@ def main(argv=None) -> int:
 
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
         build(BuildConfig(model=a.model, out=Path(a.out), precision=a.precision, drafts=drafts,
-                          verifier_layers=a.verifier_layers, backend=a.backend, force=a.force, store=a.store))
+                          verifier_layers=a.verifier_layers, backend=a.backend, force=a.force, store=a.store,
+                          head=a.head))
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -70,7 +70,7 @@ class GenerateConfig:
 QUANTS = ("int8", "int4", "int8-dynamic", "int8-static", "fp8")
 SELF_DRAFTS = tuple(f"self-{q}" for q in QUANTS)
 AUTO_DRAFT = "auto"  # the best measured drafter a runtime has: store with a datastore, else ngram (README)
-DRAFT_HELP = f"auto | ngram | store | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
+DRAFT_HELP = f"auto | ngram | store | eagle | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
 
 VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well at twice the cost (README)
 
@@ -79,6 +79,7 @@ VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well a
 DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
     "ngram": (3, 6, 12), "store": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4),
     "model": (1, 4, 4),
+    "eagle": (2, 4, 6),  # the learned head: a narrow tree (a CPU target pays for every node it verifies)
     "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
     # not swept: chains as short as self-int4's, since they agree less with the target than self-int8 (README)
     "self-int8-dynamic": (1, 3, 3), "self-int8-static": (1, 3, 3), "self-fp8": (1, 3, 3),
@@ -89,7 +90,7 @@ DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
-    draft: str = "ngram"  # ngram | store | hybrid | self-Q (Q in QUANTS) | early-exit:N | model:PATH
+    draft: str = "ngram"  # ngram | store | eagle | hybrid | self-Q (Q in QUANTS) | early-exit:N | model:PATH
     tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
     tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
     tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step

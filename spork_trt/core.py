@@ -176,14 +176,16 @@ class EngineCore:
                        padded)
         trees = {r: self.tree_work(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
         t = time.perf_counter()
-        logits = dict(zip(trees, self.engine.forward_batch([w.seq for w in trees.values()]))) if trees else {}
+        hidden = [] if any(wants_hidden(r) for r in trees) else None  # [n_b, k*C] each: the draft head's features
+        logits = dict(zip(trees, self.engine.forward_batch([w.seq for w in trees.values()], hidden))) if trees else {}
+        features = {r: h for r, h in zip(trees, hidden or ()) if wants_hidden(r)}
         verify_s = time.perf_counter() - t
         if trees:
             sizes = [len(w.seq.tokens) for w in trees.values()]
             self.batch_tokens = sum(sizes)
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
         for r, d in zip(decoding, drafts):
-            self.commit(r, d, trees.get(r), logits.get(r), verify_s)
+            self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
         self.prefill(prefilling)
         return done + self.retire([r for r in self.active if r.stop.reason is not None])
 
@@ -232,8 +234,9 @@ class EngineCore:
         return TreeWork(keep, tree, children, seq)
 
     def commit(self, r: Request, d: Draft, work: TreeWork | None, logits: torch.Tensor | None,
-               verify_s: float) -> None:
-        """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover."""
+               verify_s: float, hidden: torch.Tensor | None = None) -> None:
+        """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover. `hidden`
+        [len(behind) + N, k*C]: the target's hidden states there, for a drafter that wants them."""
         t = time.perf_counter()
         if d.gated:  # lossy gate mode: the verifier alone accepts; the target runs these tokens in its next pass
             keep, tree = list(range(len(d.proposed))), d.proposed
@@ -243,7 +246,10 @@ class EngineCore:
         else:
             b, keep, tree = len(r.behind), work.keep, work.tree
             verdict = verify(tree, work.children, logits[b:], r.cfg, r.gen)
-            r.target.commit(list(range(b)) + [b + i for i in verdict.path])
+            kept_rows = list(range(b)) + [b + i for i in verdict.path]
+            r.target.commit(kept_rows)
+            if hidden is not None:
+                r.drafter.observe(hidden[kept_rows])  # [committed rows, k*C]
             r.behind = []
         if r.drafter is not None:
             r.drafter.commit(d.proposed, verdict.renumber(keep))
@@ -272,8 +278,12 @@ class EngineCore:
             left -= n
         if not chunks:
             return
-        for (r, s), logits in zip(chunks, self.engine.forward_batch([s for _, s in chunks])):  # [1 or 0, V]
+        hidden = [] if any(wants_hidden(r) for r, _ in chunks) else None
+        out = self.engine.forward_batch([s for _, s in chunks], hidden)
+        for i, ((r, s), logits) in enumerate(zip(chunks, out)):  # logits [1 or 0, V]
             r.target.commit()
+            if hidden is not None and wants_hidden(r):
+                r.drafter.observe(hidden[i])  # the chunk's [n, k*C]: its reset takes the whole prompt's
             r.prefilled += len(s.tokens)
             if r.prefilled < len(r.prompt_ids):
                 continue
@@ -282,6 +292,11 @@ class EngineCore:
                 r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.target)
             r.stats.prefill_s = time.perf_counter() - r.t0
             emit(r, [r.root], draft=0, accepted=0)
+
+
+def wants_hidden(r: Request) -> bool:
+    """The request's drafter reads the target's hidden states (the learned draft head)."""
+    return getattr(r.drafter, "wants_hidden", False)
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:

@@ -26,6 +26,7 @@ from .errors import UserError
 from .model import Block, KVStore, RMSNorm, mask_bias, rope_cos_sin, rope_inv_freq
 
 HEAD_FILE = "head.safetensors"
+EMBEDDINGS = "head_embeddings.npy"  # a build's copy of the target's token embeddings [V, C] fp16, for the head
 
 
 @dataclass(frozen=True)

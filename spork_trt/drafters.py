@@ -67,59 +67,9 @@ class ModelDrafter:
         base = eng.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
         logits = forward_chain(eng, run, last=True)  # [1, V]
-        tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
         self.rows = {0: len(run) - 1}
-        level = [0]
-        for depth in range(1, spec.tree_depth + 1):
-            room = spec.tree_budget - (len(tokens) - 1)
-            if room <= 0:
-                break
-            pick = self.top_children if self.sampling.greedy else self.sampled_children
-            chosen = pick(level, logits, logp, spec.tree_width, min(spec.tree_width, room))
-            level = []
-            for cum, parent, tok, q in chosen:
-                level.append(len(tokens))
-                tokens.append(tok)
-                parents.append(parent)
-                score.append(math.exp(min(0.0, cum - logp[parent])))
-                logp.append(cum)
-                q_rows.append(q)
-            if not level or depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
-                break
-            logits = self.forward_level(level, tokens, parents, base)  # [len(level), V]
-        q = None
-        if not self.sampling.greedy:
-            q = torch.stack([torch.zeros_like(q_rows[1]) if r is None else r for r in q_rows])  # [N, V]
-        return DraftTree(tuple(tokens), tuple(parents), q, tuple(score))
-
-    def top_children(self, level, logits, logp, k: int, slots: int) -> list[tuple]:
-        """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
-        Returns (cumulative log prob, parent, token, None) in rank order."""
-        lp = torch.log_softmax(logits.float(), -1)  # [L, V]
-        top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-        cands = [(logp[node] + v, node, t, None) for j, node in enumerate(level)
-                 for v, t in zip(top.values[j].tolist(), top.indices[j].tolist())]
-        return sorted(cands, key=lambda c: -c[0])[:slots]
-
-    def sampled_children(self, level, logits, logp, k: int, slots: int) -> list[tuple]:
-        """Sampling: children drawn without replacement from the draft distribution, slots handed to parents
-        round-robin in rank order. Which parent gets a slot never depends on a child's drawn value, so every
-        child kept is an honest draw from its recorded proposal q_i (what lossless rejection sampling needs)."""
-        probs = processed_probs(logits, self.sampling)  # [L, V] the draft's distribution
-        ranked = sorted(range(len(level)), key=lambda j: -logp[level[j]])
-        order = [j for _ in range(k) for j in ranked][:slots]
-        left = {j: probs[j].clone() for j in ranked}
-        out = []
-        for j in order:
-            q = left[j]
-            if q.sum() <= 0:
-                continue
-            q = q / q.sum()
-            t = int(torch.multinomial(q, 1, generator=self.gen))
-            out.append((logp[level[j]] + math.log(float(q[t])), level[j], t, q.clone()))
-            q[t] = 0.0
-            left[j] = q
-        return out
+        return grow_tree(root, logits, spec, self.sampling, self.gen,
+                         lambda level, tokens, parents: self.forward_level(level, tokens, parents, base))
 
     def forward_level(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> torch.Tensor:
         """Run one depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors."""
@@ -150,6 +100,70 @@ class ModelDrafter:
         self.engine.commit(kept)
         self.behind = [tree.tokens[i] for i in verdict.path[1 + len(ran):]]
         self.rows = {}
+
+
+def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: SamplingConfig, gen: torch.Generator,
+              forward_level) -> DraftTree:
+    """A model drafter's dynamic tree: per depth, the top-K children of every node of the previous depth, keeping
+    the K with the highest cumulative draft probability (within the node budget). `logits` [1, V]: the draft's
+    distribution after the root; forward_level(level, tokens, parents) -> [len(level), V] runs one depth."""
+    tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
+    level = [0]
+    for depth in range(1, spec.tree_depth + 1):
+        room = spec.tree_budget - (len(tokens) - 1)
+        if room <= 0:
+            break
+        if sampling.greedy:
+            chosen = top_children(level, logits, logp, spec.tree_width, min(spec.tree_width, room))
+        else:
+            chosen = sampled_children(level, logits, logp, spec.tree_width, min(spec.tree_width, room), sampling, gen)
+        level = []
+        for cum, parent, tok, q in chosen:
+            level.append(len(tokens))
+            tokens.append(tok)
+            parents.append(parent)
+            score.append(math.exp(min(0.0, cum - logp[parent])))
+            logp.append(cum)
+            q_rows.append(q)
+        if not level or depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
+            break
+        logits = forward_level(level, tokens, parents)  # [len(level), V]
+    q = None
+    if not sampling.greedy and len(tokens) > 1:
+        q = torch.stack([torch.zeros_like(q_rows[1]) if r is None else r for r in q_rows])  # [N, V]
+    return DraftTree(tuple(tokens), tuple(parents), q, tuple(score))
+
+
+def top_children(level, logits, logp, k: int, slots: int) -> list[tuple]:
+    """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
+    Returns (cumulative log prob, parent, token, None) in rank order."""
+    lp = torch.log_softmax(logits.float(), -1)  # [L, V]
+    top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    cands = [(logp[node] + v, node, t, None) for j, node in enumerate(level)
+             for v, t in zip(top.values[j].tolist(), top.indices[j].tolist())]
+    return sorted(cands, key=lambda c: -c[0])[:slots]
+
+
+def sampled_children(level, logits, logp, k: int, slots: int, sampling: SamplingConfig,
+                     gen: torch.Generator) -> list[tuple]:
+    """Sampling: children drawn without replacement from the draft distribution, slots handed to parents
+    round-robin in rank order. Which parent gets a slot never depends on a child's drawn value, so every
+    child kept is an honest draw from its recorded proposal q_i (what lossless rejection sampling needs)."""
+    probs = processed_probs(logits, sampling)  # [L, V] the draft's distribution
+    ranked = sorted(range(len(level)), key=lambda j: -logp[level[j]])
+    order = [j for _ in range(k) for j in ranked][:slots]
+    left = {j: probs[j].clone() for j in ranked}
+    out = []
+    for j in order:
+        q = left[j]
+        if q.sum() <= 0:
+            continue
+        q = q / q.sum()
+        t = int(torch.multinomial(q, 1, generator=gen))
+        out.append((logp[level[j]] + math.log(float(q[t])), level[j], t, q.clone()))
+        q[t] = 0.0
+        left[j] = q
+    return out
 
 
 @dataclass

@@ -39,12 +39,19 @@ def inputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
     return out
 
 
-def outputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
+def outputs(cfg: ModelConfig, n_layers: int, taps: tuple[int, ...] = ()) -> list[TensorSpec]:
+    """`taps`: the graph also outputs the hidden states after these layers at every new token (the learned draft
+    head's features; a target built with a head has them)."""
     kv = (BATCH, NEW, cfg.n_kv_heads, cfg.head_dim)
     out = [TensorSpec("logits", "float32", (ROWS, cfg.vocab_size))]
     for _, _, nk, nv in kv_names(n_layers):
         out += [TensorSpec(nk, "float32", kv), TensorSpec(nv, "float32", kv)]
+    if taps:
+        out.append(TensorSpec(HIDDEN, "float32", (BATCH, NEW, len(taps) * cfg.dim)))
     return out
+
+
+HIDDEN = "hidden"  # [B, T, k*C]: the hidden states after each of the k tapped layers, concatenated
 
 
 def dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:

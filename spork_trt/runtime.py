@@ -13,6 +13,7 @@ from .config import AUTO_DRAFT, DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, Genera
 from .core import Request
 from .datastore import Datastore
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
+from .eagle import EagleDrafter, lookup
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, run_alone
 from .sampling import make_generator
@@ -28,7 +29,7 @@ TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantiz
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in (AUTO_DRAFT, "ngram", "store", "hybrid", *SELF_DRAFTS) and not arg:
+    if kind in (AUTO_DRAFT, "ngram", "store", "eagle", "hybrid", *SELF_DRAFTS) and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -50,6 +51,7 @@ class Runtime:
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
     store: Datastore | None = None  # the build's datastore of the target's own text (--draft store)
+    head: tuple | None = None  # the build's learned draft head and the target's embeddings (--draft eagle)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
@@ -107,7 +109,15 @@ class Runtime:
         layers = built["verifier"]["layers"]
         heads = load_heads(d, layers) if load_head else {}
         store = Datastore.load(d) if "store" in built else None
-        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store)
+        head = None
+        if "head" in built:
+            import numpy as np
+
+            from .draft_head import load_head
+
+            head = (load_head(d / built["head"]["path"])[0],
+                    lookup(np.load(d / built["head"]["embeddings"], mmap_mode="r", allow_pickle=False)))
+        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store, head=head)
 
     @property
     def default_draft(self) -> str:
@@ -142,6 +152,12 @@ class Runtime:
                 raise UserError("--draft store needs a build with a datastore: `python -m export build` makes one "
                                 "(from the shipped corpus of the default model, or --store DATA), then pass --engines")
             return StoreDrafter(NgramDrafter(SpecConfig.ngram_max), self.store)
+        if kind == "eagle":
+            if self.head is None or not getattr(self.engine, "taps", ()):
+                raise UserError("--draft eagle needs a build with a draft head: `python -m export build --head DIR` "
+                                "(a `python -m export train-draft` folder), then pass --engines")
+            seed = None if sampling.seed is None else sampling.seed + 1
+            return EagleDrafter(self.head[0], self.head[1], sampling, make_generator(seed))
         if kind == "hybrid":
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
@@ -174,6 +190,9 @@ def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: Confi
     if mode == "gate" and not spec.gate_tau > 0:
         raise UserError("--mode gate needs --tau in (0, 1]: the path confidence above which the verifier alone "
                         "accepts")
+    if mode == "gate" and spec.draft == "eagle":
+        raise UserError("--mode gate does not run with --draft eagle (the head needs the target's hidden states of "
+                        "every committed token, which gate mode skips): use --mode spork")
     if mode == "gate" and not cfg.sampling.greedy:
         raise UserError("--mode gate is greedy only (it is measured against greedy decoding): drop --temperature")
     if (mode == "gate" or spec.verifier == "on") and not head:

@@ -23,6 +23,22 @@ def tiny_config(**over) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def write_selfdata(target, d: Path, n: int = 160, new_tokens: int = 40) -> Path:
+    """A self-data folder in `d`: the target's greedy continuations of `n` seeded random 6-token prompts."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.engines.torch_engine import TorchEngine
+    from spork_trt.generate import generate
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        prompt = torch.randint(0, target.cfg.vocab_size, (6,), generator=g).tolist()
+        out = generate(TorchEngine(target), prompt, GenerateConfig(max_new_tokens=new_tokens), frozenset()).token_ids
+        rows.append({"id": f"s{i}", "ids": prompt + out, "n_prompt": 6, "stop": "max_tokens"})
+    (d / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
 @pytest.fixture(scope="session")
 def default_checkpoint():
     from spork_trt.weights import load_checkpoint

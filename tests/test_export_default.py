@@ -58,6 +58,8 @@ def test_generate_uses_built_engines(default_engines):
     (["export", "build", "--precision", "fp16"], "fp16/bf16 with --backend tensorrt"),
     (["export", "build", "--draft", "self-int3"], "buildable drafts are self-int8, self-int4"),
     (["export", "build", "--backend", "tensorrt", "--precision", "int4"], "not buildable for TensorRT"),
+    (["export", "build", "--head", "/no/such/head", "--out", "/tmp/spork-never"], "--head /no/such/head: use auto"),
+    (["spork_trt", "generate", "hi", "--draft", "eagle"], "--draft eagle needs a build with a draft head"),
     (["export", "inspect", "/no/such/engines"], "has no manifest.json"),
     (["spork_trt", "generate", "hi", "--engines", "/no/such/engines"], "has no manifest.json"),
 ])
@@ -74,3 +76,28 @@ def test_draft_auto_is_the_store_where_the_engines_have_one(default_engines, def
     rt = Runtime.from_engines(default_engines)
     assert rt.default_draft == "store" and rt.resolve(SpecConfig.for_draft("auto")).draft == "store"
     assert default_runtime.default_draft == "ngram"  # the torch engine from a checkpoint: no datastore
+
+
+def test_build_with_a_draft_head_drafts_with_it(default_engines, default_checkpoint, tmp_path):
+    """An untrained head for the default target (LM head rows copied from the target's): the build adds it and the
+    target graph's hidden-state output, `--draft eagle` drafts with it and stays token-identical to plain; a head
+    made for another checkpoint is refused."""
+    from spork_trt.draft_head import DraftHead, HeadConfig
+
+    model = default_checkpoint.model
+    head = DraftHead(HeadConfig.for_target(model.cfg, (30,), 512))
+    head.init_from_target(model, torch.arange(512))
+    sha = json.loads((default_engines / "manifest.json").read_text())["source"]["sha256"]
+    head.save(tmp_path / "head", {"target_sha256": sha})
+    head.save(tmp_path / "other", {"target_sha256": "0" * 64})
+    bad = run("export", "build", "--out", str(tmp_path / "never"), "--head", str(tmp_path / "other"))
+    assert bad.returncode == 2 and "another checkpoint" in bad.stderr
+    out = tmp_path / "engines"
+    r = run("export", "build", "--out", str(out), "--head", str(tmp_path / "head"), "--draft", "self-int4")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["engines"]["target"]["taps"] == [30] and m["engines"]["head"]["vocab"] == 512 and "eagle" in m["drafters"]
+    for prompt in mt_bench_prompts(2):
+        got = [json.loads(run("spork_trt", "generate", prompt, "--engines", str(out), "--max-new-tokens", "48",
+                              "--json", *mode).stdout) for mode in (["--draft", "eagle"], ["--mode", "plain"])]
+        assert got[0]["token_ids"] == got[1]["token_ids"] and got[0]["stats"]["draft_tokens"] > 0

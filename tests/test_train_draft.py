@@ -3,19 +3,15 @@ head, the saved head (safetensors) loads back, training resumes from its checkpo
 lets a depth-j node see exactly what it sees when drafting."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 
-from spork_trt.config import GenerateConfig
 from spork_trt.draft_head import load_head
-from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.export.train_draft import TrainConfig, step_mask, train_draft
-from spork_trt.generate import generate
 from spork_trt.weights import random_checkpoint
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, write_selfdata
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +22,7 @@ def target():
 @pytest.fixture(scope="module")
 def data(target, tmp_path_factory):
     """A self-data folder: the target's greedy continuations of 160 random prompts."""
-    d = tmp_path_factory.mktemp("selfdata")
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(160):
-        prompt = torch.randint(0, 48, (6,), generator=g).tolist()
-        out = generate(TorchEngine(target), prompt, GenerateConfig(max_new_tokens=40), frozenset()).token_ids
-        rows.append({"id": f"s{i}", "ids": prompt + out, "n_prompt": 6, "stop": "max_tokens"})
-    (d / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return d
+    return write_selfdata(target, tmp_path_factory.mktemp("selfdata"))
 
 
 def test_step_mask_gives_each_depth_its_drafting_view():

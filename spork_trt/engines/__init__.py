@@ -8,6 +8,9 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
                                                    returns logits at the rows it asks for (`logit_rows`; all by
                                                    default). One forward for all of them (the engine pads to
                                                    [B, T]; the LM head runs at the asked-for rows only).
+  forward_batch(seqs, hidden=[])                   also appends each sequence's hidden states [n_b, k*C] after
+                                                   the engine's `taps` layers (the learned draft head's features;
+                                                   only engines with taps, a target built with a head)
   reset(max_len)                                   ready for a new sequence of at most max_len positions
   forward(input_ids [1,T], position_ids [1,T], mask [1,T,S], rows=None) -> logits [1, R, V]
                                                    S = length + pending + T; appends T pending KV rows; R = the
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UserError
 from ..kv_cache import KVPool, Rows
 
 
@@ -103,6 +107,7 @@ class CachedEngine(ABC):
     cache: Rows | None = None
     # forward_batch pads every sequence to the longest ([B, T]): a batch costs B * T tokens, not their sum
     padded_batches: bool = True
+    taps: tuple[int, ...] = ()  # layers whose hidden states forward_batch can return (io_spec.HIDDEN)
 
     @abstractmethod
     def make_cache(self, max_len: int) -> Rows:
@@ -120,14 +125,22 @@ class CachedEngine(ABC):
     def make_pool(self, slots: int, max_len: int) -> KVPool:
         """One preallocated buffer pair for `slots` sequences of at most `max_len` positions."""
 
-    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
-        """Logits [r_b, V] at each sequence's asked-for rows; appends its new tokens as pending rows of its cache.
-        This default runs the sequences one by one (engines override it with one padded forward)."""
+    def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
+        """Logits [r_b, V] at each sequence's asked-for rows; appends its new tokens as pending rows of its cache
+        (and, given a `hidden` list, each sequence's hidden states [n_b, k*C] to it). This default runs the
+        sequences one by one (engines override it with one padded forward)."""
+        self.check_hidden(hidden)
         out = []
         for s in seqs:
             self.cache = s.cache
-            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows)[0])
+            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows,
+                                    hidden)[0])
         return out
+
+    def check_hidden(self, hidden: list | None) -> None:
+        if hidden is not None and not self.taps:
+            raise UserError("this target engine outputs no hidden states (the learned draft head's features): "
+                            "rebuild the engines with a draft head (`python -m export build --head ...`)")
 
     @abstractmethod
     def fresh(self) -> "CachedEngine":
@@ -155,7 +168,7 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
         return TrtEngine(path, cfg, n_layers=entry["layers"])
     from .onnx_engine import OnnxEngine
 
-    return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers)
+    return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers, taps=tuple(entry.get("taps", ())))
 
 
 def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:

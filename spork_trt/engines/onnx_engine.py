@@ -42,7 +42,8 @@ def provider_options(providers: tuple[str, ...], model: Path) -> list[dict[str, 
 
 class OnnxEngine(CachedEngine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
-                 session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> None:
+                 session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+                 taps: tuple[int, ...] = ()) -> None:
         import onnxruntime as ort
 
         self._cfg = cfg
@@ -56,6 +57,11 @@ class OnnxEngine(CachedEngine):
         self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers),
                                                        provider_options=provider_options(providers, path))
         self.names = io_spec.kv_names(self.n_layers)
+        self.taps = tuple(taps)  # the graph's io_spec.HIDDEN output: hidden states after these layers
+        outs = {o.name for o in self.session.get_outputs()}
+        if bool(self.taps) != (io_spec.HIDDEN in outs):
+            raise UserError(f"{path} {'lacks' if self.taps else 'has'} the {io_spec.HIDDEN} output its manifest "
+                            "entry says: rebuild the engines with `python -m export build`")
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
         self.logits = np.zeros((max_new, cfg.vocab_size), dtype=np.float32)  # [Tmax, V]
@@ -68,7 +74,7 @@ class OnnxEngine(CachedEngine):
         return self._cfg
 
     def fresh(self) -> OnnxEngine:
-        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session)
+        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps)
 
     def make_cache(self, max_len: int) -> Rows:
         shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
@@ -79,12 +85,13 @@ class OnnxEngine(CachedEngine):
         k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # untouched pages cost no memory yet
         return KVPool([Rows(k[:, s:s + 1], v[:, s:s + 1], axis=2) for s in range(slots)])
 
-    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+    def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
         """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), past rows
         [B, P, Hkv, D] per layer from a Staging (P about the longest context; each sequence sees only its own), new
         rows scattered back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
         if len(seqs) == 1:
-            return super().forward_batch(seqs)
+            return super().forward_batch(seqs, hidden)
+        self.check_hidden(hidden)
         hkv, d, v = self._cfg.n_kv_heads, self._cfg.head_dim, self._cfg.vocab_size
         caches = [s.cache for s in seqs]
         stage = max(self.stagings, key=lambda st: st.overlap(caches))  # the tree batch's and the prefill batch's
@@ -104,13 +111,24 @@ class OnnxEngine(CachedEngine):
                 io.bind_input(pname, "cpu", 0, np.float32, (b, p, hkv, d), past[j, layer, :b].ctypes.data)
                 io.bind_output(nname, "cpu", 0, np.float32, (b, t, hkv, d), new[j, layer].ctypes.data)
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        feats = self._bind_hidden(io, b, t)  # [B, T, k*C] or None
         self.session.run_with_iobinding(io)
         for i, s in enumerate(seqs):
+            if hidden is not None:
+                hidden.append(torch.from_numpy(feats[i, :len(s.tokens)].copy()))  # [n_b, k*C]
             n, c = len(s.tokens), s.cache
             c.k[:, 0, ctx[i]:ctx[i] + n] = new[0, :, i, :n]
             c.v[:, 0, ctx[i]:ctx[i] + n] = new[1, :, i, :n]
             c.written(n)
         return batch.split(torch.from_numpy(logits.copy()))  # [r_b, V] each
+
+    def _bind_hidden(self, io, b: int, t: int) -> np.ndarray | None:
+        """Bind the graph's hidden-state output (when it has one) to a scratch buffer [B, T, k*C]."""
+        if not self.taps:
+            return None
+        feats = self._scratch(io_spec.HIDDEN, (b, t, len(self.taps) * self._cfg.dim))
+        io.bind_output(io_spec.HIDDEN, "cpu", 0, np.float32, feats.shape, feats.ctypes.data)
+        return feats
 
     def _scratch(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A contiguous array of `shape` over a flat float32 buffer kept between batches (grown on demand). Fresh
@@ -122,7 +140,7 @@ class OnnxEngine(CachedEngine):
         return buf[:n].reshape(shape)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
         all T)."""
         t = input_ids.shape[1]
@@ -153,6 +171,10 @@ class OnnxEngine(CachedEngine):
                 io.bind_output(nname, "cpu", 0, np.float32, (1, t, hkv, d), rows[past:past + t].ctypes.data)
         logits = self.logits[:len(at)]  # [R, V]
         io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        feats = self._bind_hidden(io, 1, t)  # [1, T, k*C] or None
         self.session.run_with_iobinding(io)
         c.written(t)
+        if hidden is not None:
+            self.check_hidden(hidden)
+            hidden.append(torch.from_numpy(feats[0].copy()))  # [T, k*C]
         return torch.from_numpy(logits[None, :r].copy())

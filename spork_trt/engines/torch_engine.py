@@ -10,9 +10,10 @@ from . import CachedEngine, Padded, SeqInput
 
 
 class TorchEngine(CachedEngine):
-    def __init__(self, model: Transformer, exit_layer: int | None = None) -> None:
+    def __init__(self, model: Transformer, exit_layer: int | None = None, taps: tuple[int, ...] = ()) -> None:
         self.model = model.eval()
         self.exit_layer = exit_layer  # run only the first N layers (early-exit drafting)
+        self.taps = taps  # hidden states forward_batch can return (the learned draft head's features)
         self.cache: KVCache | None = None
 
     @property
@@ -20,7 +21,7 @@ class TorchEngine(CachedEngine):
         return self.model.cfg
 
     def fresh(self) -> TorchEngine:
-        return TorchEngine(self.model, self.exit_layer)
+        return TorchEngine(self.model, self.exit_layer, self.taps)
 
     def make_cache(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, n_layers=self.exit_layer)
@@ -31,29 +32,36 @@ class TorchEngine(CachedEngine):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
         """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V], or [1, R, V] at
         `rows` (flat indices b * T + t)."""
         c = self.cache
         assert c is not None, "call reset() first"
         assert mask.shape[-1] == c.length + c.pending + input_ids.shape[1], (mask.shape, c.length, c.pending)
         at = None if rows is None else torch.tensor(rows, dtype=torch.long)
-        logits = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer, logit_rows=at).logits
+        out = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer, logit_rows=at,
+                         taps=self.taps if hidden is not None else ())
         c.written(input_ids.shape[1])
-        return logits if rows is None else logits[None]
+        if hidden is not None:
+            self.check_hidden(hidden)
+            hidden.extend(out.hidden)  # [T, k*C] per sequence
+        return out.logits if rows is None else out.logits[None]
 
     @torch.inference_mode()
-    def forward_batch(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+    def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
         """One padded forward over B sequences (see BatchKV); one sequence runs in place (`forward`)."""
         if len(seqs) == 1:
-            return super().forward_batch(seqs)
+            return super().forward_batch(seqs, hidden)
+        self.check_hidden(hidden)
         batch = Padded.of(seqs)
         kv = BatchKV(seqs, batch.context)
-        logits = self.model(batch.input_ids, batch.position_ids, batch.mask, kv, exit_layer=self.exit_layer,
-                            logit_rows=batch.logit_rows).logits  # [R, V]
-        for s in seqs:
+        out = self.model(batch.input_ids, batch.position_ids, batch.mask, kv, exit_layer=self.exit_layer,
+                         logit_rows=batch.logit_rows, taps=self.taps if hidden is not None else ())
+        for i, s in enumerate(seqs):
             s.cache.written(len(s.tokens))
-        return batch.split(logits)
+            if hidden is not None:
+                hidden.append(out.hidden[i, :len(s.tokens)])  # [n_b, k*C]
+        return batch.split(out.logits)  # [R, V] -> [r_b, V] each
 
 
 class BatchKV:

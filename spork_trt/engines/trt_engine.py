@@ -103,10 +103,11 @@ class TrtEngine(CachedEngine):
         return KVPool([self.make_cache(max_len) for _ in range(slots)])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
         """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
         all T; CPU, float32). More new tokens than the plan takes (a long prompt) run as consecutive chunks: exact,
         since no mask row attends to a later new position (causal and tree masks put parents before children)."""
+        self.check_hidden(hidden)  # plans are built without the draft head's hidden-state output
         t = input_ids.shape[1]
         c = self.cache
         assert c is not None, "call reset() first"

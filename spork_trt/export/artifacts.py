@@ -1,5 +1,6 @@
 """Learned draft artifacts that ship inside the package (spork_trt/artifacts/<name>/), one folder per target:
   corpus.npz     the datastore's text: the target's own answers (self-data), token ids joined by datastore.SEP
+  head.safetensors  the learned draft head (`export train-draft`), when one ships
   manifest.json  the target's sha256, the data recipe, token counts, and the command that reproduces it
 
 `python -m export pack` writes a folder from a self-data run; `python -m export build` finds the folder whose
@@ -81,6 +82,27 @@ def store_source(store: str, source_sha256: str) -> tuple[Path | None, str]:
         return p, str(p)
     raise UserError(f"--store {store}: use auto, none, a packed folder (with {CORPUS}) or a self-data folder (with "
                     f"{ANSWERS})")
+
+
+def head_source(head: str, source_sha256: str) -> tuple[Path | None, str]:
+    """Where a build's draft head comes from: `head` "auto" (the head shipped for this checkpoint, if any), "none",
+    a train-draft folder (head.safetensors) or the file itself. Returns (file or None, what it is)."""
+    from ..draft_head import HEAD_FILE
+
+    if head == "none":
+        return None, "none"
+    if head == "auto":
+        found = shipped(source_sha256)
+        if found is not None and (found / HEAD_FILE).is_file():
+            return found / HEAD_FILE, f"shipped {found.name}"
+        return None, "none (no head shipped for this checkpoint)"
+    p = Path(head)
+    if (p / HEAD_FILE).is_file():
+        return p / HEAD_FILE, str(p)
+    if p.is_file():
+        return p, str(p)
+    raise UserError(f"--head {head}: use auto, none, a `python -m export train-draft` folder (with {HEAD_FILE}) or "
+                    "the file")
 
 
 def text_file(folder: Path) -> Path:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
+from ..draft_head import EMBEDDINGS, HEAD_FILE, load_head
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from ..datastore import SUFFIXES, TOKENS
-from .artifacts import build_store, store_source, text_file
+from .artifacts import build_store, head_source, store_source, text_file
 from . import manifest as mf
 from . import tensorrt as trt_build
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_onnx
@@ -38,6 +42,7 @@ class BuildConfig:
     backend: str = "onnx"
     force: bool = False
     store: str = "auto"  # the datastore's text: auto (shipped for this checkpoint) | none | a pack or self-data folder
+    head: str = "auto"  # the learned draft head: auto (shipped for this checkpoint) | none | a train-draft folder
 
 
 def stage(msg: str) -> None:
@@ -75,10 +80,16 @@ def build(cfg: BuildConfig) -> Path:
     stage(f"hashing source checkpoint {source}")
     source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
     store_dir, store_what = store_source(cfg.store, source_sha)
+    head_file, head_what = head_source(cfg.head, source_sha)
+    if head_file is not None and cfg.backend != "onnx":
+        if cfg.head != "auto":
+            raise UserError("--head: the draft head runs with ONNX Runtime builds (--backend onnx) for now")
+        head_file, head_what = None, "none (the draft head runs with ONNX Runtime builds)"
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
               "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT, "tools": mf.tool_versions(),
               "backend": cfg.backend,
               "store": store_dir and {"from": store_what, "sha256": mf.sha256(text_file(store_dir))},
+              "head": head_file and {"from": head_what, "sha256": mf.sha256(head_file)},
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
               "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
               else None}
@@ -100,8 +111,10 @@ def build(cfg: BuildConfig) -> Path:
     feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers))  # static quantization's inputs
     onnx_target = cfg.backend == "onnx" and cfg.precision != "fp32"
     engines: dict[str, dict] = {}
-    stage("exporting target.onnx (fp32)")
-    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"))
+    head = check_head(head_file, ck, source_sha) if head_file is not None else None
+    taps = head.hc.taps if head is not None else ()  # the target graph also outputs the head's features
+    stage("exporting target.onnx (fp32" + (f", hidden states after layers {list(taps)})" if taps else ")"))
+    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"), taps=taps)
     made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
 
     def quantized(q: str, path: Path) -> Path:
@@ -113,14 +126,14 @@ def build(cfg: BuildConfig) -> Path:
     if onnx_target:
         quantized(cfg.precision, out / "target.onnx")
     engines["target"] = {"path": "target.onnx", "precision": cfg.precision if cfg.backend == "onnx" else "fp32",
-                         "layers": n_layers}
+                         "layers": n_layers, "taps": list(taps)}
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
     export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers)
     engines["verifier"] = {"path": "verifier.onnx", "precision": "fp32", "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
         q = draft.removeprefix("self-")
         name = quantized(q, out / ("draft_" + q.replace("-", "_") + ".onnx")).name
-        engines[draft] = {"path": name, "precision": q, "layers": n_layers}
+        engines[draft] = {"path": name, "precision": q, "layers": n_layers, "taps": list(taps)}  # from fp32
     if trt_cfg is not None:
         engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
     for stale in (out / TOKENS, out / SUFFIXES):
@@ -132,6 +145,14 @@ def build(cfg: BuildConfig) -> Path:
                             "tokens": int(len(store.tokens)), "from": store_what}
     else:
         stage(f"no datastore: {store_what} (--draft store needs one: --store DATA)")
+    for stale in (out / HEAD_FILE, out / EMBEDDINGS):
+        stale.unlink(missing_ok=True)
+    if head is not None:
+        stage(f"adding the draft head ({head_what}) and the target's token embeddings it reads")
+        shutil.copyfile(head_file, out / HEAD_FILE)
+        np.save(out / EMBEDDINGS, ck.model.embed.weight.detach().numpy().astype(np.float16))  # [V, C]
+        engines["head"] = {"path": HEAD_FILE, "embeddings": EMBEDDINGS, "precision": "fp16", "layers": 1,
+                           "taps": list(taps), "vocab": head.hc.vocab, "from": head_what}
     stage("writing tokenizer files")
     tok_files = [p.name for p in tok.save(out)]
     stage("hashing artifacts")
@@ -143,13 +164,30 @@ def build(cfg: BuildConfig) -> Path:
         "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
-        "drafters": ["ngram", *(["store"] if store_dir else []), *cfg.drafts, f"early-exit:{cfg.verifier_layers}"],
+        "drafters": ["ngram", *(["store"] if store_dir else []), *(["eagle"] if head else []), *cfg.drafts,
+                     f"early-exit:{cfg.verifier_layers}"],
         "tokenizer_files": tok_files,
         "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
     })
     render_triton(out)
     stage(f"done in {time.perf_counter() - t0:.0f}s: {out}")
     return out
+
+
+def check_head(path: Path, ck, source_sha: str):
+    """The draft head at `path`, refused unless it was trained for this checkpoint's shapes (and, when its metadata
+    names one, this very checkpoint)."""
+    head, meta = load_head(path)
+    hc, cfg = head.hc, ck.cfg
+    if hc.dim != cfg.dim or hc.target_vocab != cfg.vocab_size or max(hc.taps) > cfg.n_layers:
+        raise UserError(f"--head {path} was trained for a target of hidden size {hc.dim} and vocabulary "
+                        f"{hc.target_vocab}, this checkpoint has {cfg.dim} and {cfg.vocab_size}: train one for it "
+                        "with `python -m export train-draft`")
+    if meta.get("target_sha256") not in (None, source_sha):
+        raise UserError(f"--head {path} was trained on another checkpoint's features (sha256 "
+                        f"{str(meta['target_sha256'])[:12]}, this one {source_sha[:12]}): train one for it with "
+                        "`python -m export train-draft`")
+    return head
 
 
 def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_cfg, verifier_layers: int,

@@ -104,11 +104,12 @@ class LeanBlock(nn.Module):
 
 
 class LeanGraph(nn.Module):
-    """(input_ids, position_ids, attention_mask, logit_rows, *past) -> (logits [R, V], *new kv) over the first
-    `n_layers` layers."""
+    """(input_ids, position_ids, attention_mask, logit_rows, *past) -> (logits [R, V], *new kv[, hidden]) over the
+    first `n_layers` layers."""
 
-    def __init__(self, model: Transformer, n_layers: int) -> None:
+    def __init__(self, model: Transformer, n_layers: int, taps: tuple[int, ...] = ()) -> None:
         super().__init__()
+        self.taps = taps  # also output the hidden states after these layers (io_spec.HIDDEN)
         cfg = model.cfg
         self.g, self.dim = cfg.n_heads // cfg.n_kv_heads, cfg.dim
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
@@ -121,9 +122,11 @@ class LeanGraph(nn.Module):
         x = self.embed(input_ids)  # [B, T, C]
         cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, T, 1, D]
         bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
-        new = []
+        new, tapped = [], {}
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             new += [k, v]
+            tapped[i + 1] = x
+        hidden = [torch.cat([tapped[t] for t in self.taps], dim=-1)] if self.taps else []  # [B, T, k*C]
         x = reshape(x, -1, self.dim)[logit_rows]  # [R, C]: the LM head runs at the asked-for rows only
-        return (self.lm_head(self.norm(x)), *new)
+        return (self.lm_head(self.norm(x)), *new, *hidden)

@@ -25,17 +25,18 @@ def example_inputs(model: Transformer, n_layers: int, past: int = 3, new: int = 
     return (ids, pos, mask, rows, *kv)
 
 
-def export_onnx(model: Transformer, out: Path, n_layers: int | None = None) -> Path:
-    """Write `out` (.onnx) with its weights in `out`.data; returns the path."""
+def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps: tuple[int, ...] = ()) -> Path:
+    """Write `out` (.onnx) with its weights in `out`.data; returns the path. `taps`: also output the hidden states
+    after these layers (io_spec.HIDDEN: the learned draft head's features)."""
     import onnx
 
     n = model.cfg.n_layers if n_layers is None else n_layers
-    ins, outs = io_spec.inputs(model.cfg, n), io_spec.outputs(model.cfg, n)
+    ins, outs = io_spec.inputs(model.cfg, n), io_spec.outputs(model.cfg, n, taps)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.onnx")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about python-side shape arithmetic
-        torch.onnx.export(LeanGraph(model.eval(), n).eval(), example_inputs(model, n), str(tmp), dynamo=False,
+        torch.onnx.export(LeanGraph(model.eval(), n, taps).eval(), example_inputs(model, n), str(tmp), dynamo=False,
                           opset_version=OPSET, input_names=[s.name for s in ins], output_names=[s.name for s in outs],
                           dynamic_axes=io_spec.dynamic_axes(ins + outs), do_constant_folding=True)
     graph = onnx.load(str(tmp))

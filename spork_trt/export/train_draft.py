@@ -6,8 +6,9 @@
   3. training, with training-time test: the head is unrolled `steps` times; step j at position p reads its own
      step j-1 output at p-1 (not the target's feature) and attends exactly what a depth-j draft node would (the
      teacher-forced entries before its chain, then its chain), so training sees what drafting does
-  4. held-out sequences (1 in 20 by id, never trained on): per-step top-1 agreement with the target, and the mean
-     accepted length of a greedy chain drafted to depth `steps` (simulated exactly from those agreements)
+  4. held-out sequences (1 in 20 by id, never trained on): per-step top-1 agreement with the target on their
+     answers, and the mean accepted length of a greedy chain drafted to depth `steps` (simulated exactly from those
+     agreements)
 Checkpoints (safetensors: head, optimizer state; state.json) every epoch; `--resume` continues from them.
 """
 from __future__ import annotations
@@ -192,13 +193,20 @@ class Evaluation:
     tokens: int
 
 
-def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: TrainConfig) -> Evaluation:
+def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: TrainConfig,
+             starts: list[int]) -> Evaluation:
+    """Held-out agreement where drafting happens: predictions of answer tokens only (x_{p+2} at or after the
+    sequence's answer start, `starts[s]`). The chat template's system prompt, the same in every sequence, would
+    otherwise be scored too, and a head learns it by heart."""
     hits, counts = [0] * steps, [0] * steps
     chain, roots = 0.0, 0
+    order = by_length(f, seqs, cfg.batch, len(seqs))
     with torch.no_grad():
-        for tok, lab, fe, valid in batches(f, by_length(f, seqs, cfg.batch, len(seqs)), cfg.batch, cfg.max_len,
-                                           cfg.device):
-            out = unroll(head, embed, tok, fe, lab, valid, steps, t2d)
+        for i, (tok, lab, fe, valid) in enumerate(batches(f, order, cfg.batch, cfg.max_len, cfg.device)):
+            first = torch.tensor([starts[s] for s in order[i * cfg.batch:(i + 1) * cfg.batch]], device=tok.device)
+            answer = torch.arange(tok.shape[1], device=tok.device)[None] + 2 >= first[:, None]  # [B, T]
+            out = [(loss, correct & answer, counted & answer)
+                   for loss, correct, counted in unroll(head, embed, tok, fe, lab, valid, steps, t2d)]
             for j, (_, correct, counted) in enumerate(out):
                 hits[j] += int(correct.sum())
                 counts[j] += int(counted.sum())
@@ -232,6 +240,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     key = hashlib.sha256(json.dumps([len(seqs), seqs[-1], taps, cfg.max_len]).encode()).hexdigest()[:12]
     stage(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; target features after layers {taps}")
     f = extract(target, seqs, taps, cfg.out / f"features-{key}")
+    starts = [int(r.get("n_prompt", 0)) for r in rows]  # where each sequence's answer begins
     test = [i for i, r in enumerate(rows) if heldout(str(r["id"]))]
     train = [i for i, r in enumerate(rows) if not heldout(str(r["id"]))][:cfg.limit]
     vocab = draft_vocab(f, train, cfg.vocab, mcfg.vocab_size)
@@ -253,17 +262,22 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     stage(f"{len(train)} training / {len(test)} held-out sequences; draft vocabulary {cfg.vocab} tokens covers "
           f"{vocab.coverage:.1%} of the target's top-1 tokens; {params:.1f}M parameters; {cfg.steps} unrolled steps")
     if not state["evals"]:  # the untrained head (LM head rows copied from the target): what training adds
-        state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg))]
+        state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts))]
     rng = np.random.default_rng(cfg.seed)
     orders = [by_length(f, rng.permutation(train).tolist(), cfg.batch) for _ in range(cfg.epochs)]
+    ev = None
     for epoch in range(state["epoch"], cfg.epochs):
         loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}")
-        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg)
+        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
         state = {"epoch": epoch + 1, "losses": state["losses"] + [round(loss, 4)],
                  "evals": state["evals"] + [asdict(ev)]}
         stage(f"epoch {epoch + 1}: loss {loss:.3f}; held-out agreement by depth "
               f"{', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length {ev.accepted_length:.2f}")
         checkpoint(ckpt, head, opt, sched, state)
+    if ev is None:  # nothing left to train: the saved head, evaluated as this version evaluates
+        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
+        stage(f"held-out agreement by depth {', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length "
+              f"{ev.accepted_length:.2f}")
     recipe = json.loads((cfg.data / artifacts.RECIPE).read_text()) if (cfg.data / artifacts.RECIPE).is_file() \
         else {}
     meta = {"data": str(cfg.data), "recipe": recipe, "target_sha256": recipe.get("target_sha256"),
@@ -271,7 +285,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
             "train_tokens": int(sum(f.seq(s).stop - f.seq(s).start for s in train)),
             "vocab_coverage": vocab.coverage,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-            "taps": list(taps), **state}
+            "taps": list(taps), **state, "heldout": asdict(ev)}
     head.save(cfg.out, meta)
     (cfg.out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
     stage(f"saved {cfg.out / 'head.safetensors'}")

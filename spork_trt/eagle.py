@@ -1,0 +1,134 @@
+"""The learned draft head as a drafter (`--draft eagle`): EAGLE-2 dynamic trees from the head's own probabilities.
+
+The head (draft_head.py) keeps its own one-layer KV cache. Its row p reads (g_p, x_{p+1}): the target's fused
+hidden state at p and the embedding of the next token, and predicts x_{p+2}. The target's hidden states arrive with
+its forwards (the engine core hands every forward's rows of the committed path to `observe`), so:
+
+  committed head rows   positions [0, length): run with the target's own features
+  feats                 fused target features of positions [length, length + len(feats)) whose rows have not run
+  propose(root)         runs those rows as one causal chain (the last one reads the root: its output drafts depth 1),
+                        then grows the tree depth by depth: node c's row reads its parent row's output h (not a
+                        target feature, exactly as training-time test trains it) and c's token, at position
+                        root row + depth(c); the best K children per depth by cumulative probability
+  commit(tree, verdict) keeps the chain rows (true features) and drops the tree rows; the path's target features
+                        (root, accepted tokens) become the next chain, which the next proposal runs
+
+The head's LM head covers the N most frequent target tokens (d2t maps them back); other tokens get probability 0,
+which lossless verification allows (greedy: a draft is only a guess; sampling: q is the head's distribution).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from .config import SamplingConfig, SpecConfig
+from .draft_head import DraftHead
+from .drafters import grow_tree
+from .kv_cache import KVCache
+from .tree import DraftTree
+from .verify import Verdict
+
+
+def lookup(table) -> Callable[[list[int]], torch.Tensor]:
+    """Token ids -> float32 embeddings [T, C] from the target's table [V, C]: a torch tensor, or a memory-mapped
+    numpy array (a build's head_embeddings.npy: only the rows asked for are read)."""
+    if isinstance(table, torch.Tensor):
+        return lambda ids: table[ids].float()
+    return lambda ids: torch.from_numpy(np.asarray(table[ids], dtype=np.float32))
+
+
+@dataclass
+class EagleDrafter:
+    head: DraftHead
+    embed: Callable[[list[int]], torch.Tensor]  # token ids [T] -> the target's embeddings [T, C] (see `lookup`)
+    sampling: SamplingConfig
+    gen: torch.Generator
+    wants_hidden: ClassVar[bool] = True  # the engine core passes the target's hidden states to `observe`
+    cache: KVCache | None = None
+    tokens: list[int] = field(default_factory=list)  # committed tokens before the root
+    feats: list[torch.Tensor] = field(default_factory=list)  # [C] each: fused features of rows not run yet
+    observed: list[torch.Tensor] = field(default_factory=list)  # [n, k*C] target hidden states since the last use
+    rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending head row (relative to cache.length)
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)  # tree node -> its row's output h [C]
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """hidden [n, k*C]: the target's hidden states at the next committed positions, in order."""
+        self.observed.append(hidden)
+
+    @torch.inference_mode()
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+        """Start a sequence whose prompt's target hidden states were observed (one per prompt token)."""
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = KVCache(self.head.hc.layer_config(), max_len)
+        self.cache.truncate(0)
+        self.tokens, self.feats, self.rows, self.outs = list(prompt_ids), [], {}, {}
+        self.take_observed()
+        assert len(self.feats) == len(prompt_ids), (len(self.feats), len(prompt_ids))
+
+    def take_observed(self) -> None:
+        if self.observed:
+            self.feats += list(self.head.fuse(torch.cat(self.observed).float()))  # [n, C] -> n x [C]
+            self.observed = []
+
+    @torch.inference_mode()
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        base, n = self.cache.length, len(self.feats)
+        nxt = (self.tokens + [root])[base + 1:base + n + 1]  # x_{p+1} for the chain's rows p = base .. base + n - 1
+        assert n >= 1 and len(nxt) == n, (n, len(nxt), base, len(self.tokens))
+        mask = torch.ones(1, n, base + n, dtype=torch.bool)
+        mask[0, :, base:] = torch.ones(n, n, dtype=torch.bool).tril()
+        h, logits = self.run(nxt, torch.stack(self.feats), torch.arange(base, base + n), mask)  # [n, C], [n, N]
+        self.rows, self.outs = {0: n - 1}, {0: h[-1]}
+        return grow_tree(root, self.to_target(logits[-1:]), spec, self.sampling, self.gen, self.forward_level)
+
+    def forward_level(self, level: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """One depth of nodes: each reads its parent row's output and its own token; sees the committed rows, the
+        chain and its ancestors' rows. Returns target-vocabulary logits [len(level), V]."""
+        base, pending = self.cache.length, self.cache.pending
+        mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
+        mask[0, :, :base + self.rows[0] + 1] = True  # committed rows and the chain (which ends with the root's row)
+        depth = []
+        for j, node in enumerate(level):
+            self.rows[node] = pending + j
+            anc, d = node, 0
+            while anc > 0:
+                mask[0, j, base + self.rows[anc]] = True
+                anc, d = parents[anc], d + 1
+            depth.append(d)
+        g = torch.stack([self.outs[parents[node]] for node in level])  # [L, C]
+        pos = torch.tensor([base + self.rows[0] + d for d in depth])  # the root row's position + depth
+        h, logits = self.run([tokens[node] for node in level], g, pos, mask)
+        for j, node in enumerate(level):
+            self.outs[node] = h[j]
+        return self.to_target(logits)
+
+    def run(self, tokens: list[int], g: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward of T rows (tokens [T], g [T, C], pos [T], mask [1, T, S]) appended to its cache as
+        pending rows; returns (h [T, C], draft-vocabulary logits [T, N])."""
+        emb = self.embed(tokens)[None]  # [1, T, C]
+        h, logits = self.head(emb, g[None], pos[None], mask, self.cache)
+        self.cache.written(len(tokens))
+        return h[0], logits[0]
+
+    def to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """[L, N] draft-vocabulary logits -> [L, V] over the target's vocabulary (-inf outside the draft's)."""
+        out = torch.full((logits.shape[0], self.head.hc.target_vocab), float("-inf"))
+        out[:, self.head.d2t] = logits.float()
+        return out
+
+    @torch.inference_mode()
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        """Keep the chain's rows (the target's features), drop the tree's; the committed path's target features
+        (observed for this step's forward) become the next chain."""
+        if self.rows:
+            self.cache.commit(list(range(self.rows[0] + 1)))
+            self.feats = []
+        self.tokens += [tree.tokens[i] for i in verdict.path]  # the root and the accepted tokens
+        self.take_observed()
+        self.rows, self.outs = {}, {}
+        assert self.cache.length + len(self.feats) == len(self.tokens), (self.cache.length, len(self.feats))

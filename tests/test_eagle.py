@@ -1,0 +1,121 @@
+"""The learned draft head drafting (`--draft eagle`) on a tiny random target with a head trained on its own text:
+spork == plain token for token (every shape, adaptive on and off), the head's drafts are accepted far more often
+than chance, requests batched in the engine core equal each alone, the ONNX target's hidden-state output equals
+the reference's, and a seeded sampled request draws the same tokens every time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.draft_head import load_head
+from spork_trt.eagle import EagleDrafter, lookup
+from spork_trt.engines import chain_input
+from spork_trt.engines.onnx_engine import OnnxEngine
+from spork_trt.engines.torch_engine import TorchEngine
+from spork_trt.export.onnx_graph import export_onnx
+from spork_trt.export.train_draft import TrainConfig, train_draft
+from spork_trt.generate import generate
+from spork_trt.model import causal_mask
+from spork_trt.weights import random_checkpoint
+from tests.conftest import tiny_config, write_selfdata
+
+GREEDY = SamplingConfig()
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_checkpoint(tiny_config(vocab_size=48, n_layers=3), seed=11, scale=8.0).model
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("eagle")
+    cfg = TrainConfig(data=write_selfdata(target, d), out=d / "head", vocab=40, steps=2, epochs=4, lr=1e-2, batch=8,
+                      seed=1)
+    train_draft(cfg, target)
+    return load_head(d / "head" / "head.safetensors")[0]
+
+
+def drafter(head, target, sampling=GREEDY, seed=0) -> EagleDrafter:
+    return EagleDrafter(head, lookup(target.embed.weight.detach()), sampling, torch.Generator().manual_seed(seed))
+
+
+def run(engine, prompt, n, d=None, spec=SpecConfig(), sampling=GREEDY):
+    return generate(engine, prompt, GenerateConfig(max_new_tokens=n, sampling=sampling), frozenset(), drafter=d,
+                    spec=spec)
+
+
+@pytest.mark.parametrize("width,depth", [(1, 1), (1, 4), (2, 3), (3, 5), (4, 2)])
+def test_eagle_greedy_equals_plain(target, head, width, depth):
+    engine = TorchEngine(target, taps=head.hc.taps)
+    for adaptive in (True, False):
+        spec = SpecConfig(draft="eagle", tree_width=width, tree_depth=depth, tree_budget=max(1, width * depth - 1),
+                          adaptive=adaptive)
+        for prompt in PROMPTS:
+            got = run(engine, prompt, 40, drafter(head, target), spec)
+            assert got.token_ids == run(TorchEngine(target), prompt, 40).token_ids, (width, depth, adaptive, prompt)
+
+
+def test_drafts_are_the_heads_teacher_forced_predictions(target, head):
+    """At every step the depth-1 draft is what the head predicts over the finished text with the target's own
+    features (as train-draft evaluates it): the drafter feeds the head exactly what training showed it."""
+    prompt = PROMPTS[0]
+    out = run(TorchEngine(target), prompt, 60).token_ids
+    s = prompt + out
+    with torch.no_grad():
+        o = target(torch.tensor([s]), torch.arange(len(s))[None], causal_mask(0, len(s)), taps=head.hc.taps)
+        n = len(s) - 1
+        _, logits = head(target.embed(torch.tensor([s[1:]])), head.fuse(o.hidden)[:, :n], torch.arange(n)[None],
+                         causal_mask(0, n))
+    forced = head.d2t[logits[0].argmax(-1)].tolist()  # forced[p] predicts s[p + 2]
+    d, seen = drafter(head, target), []
+    propose = d.propose
+    d.propose = lambda root, spec: seen.append((len(d.tokens), propose(root, spec))) or seen[-1][1]
+    spec = SpecConfig(draft="eagle", tree_width=1, tree_depth=1, tree_budget=1, adaptive=False)
+    assert run(TorchEngine(target, taps=head.hc.taps), prompt, 60, d, spec).token_ids == out
+    assert len(seen) > 20 and all(tree.tokens[1] == forced[m - 1] for m, tree in seen)  # root s[m]: drafts s[m+1]
+    assert sum(tree.tokens[1] == s[m + 1] for m, tree in seen if m + 1 < len(s)) > len(seen) / 10  # chance: 1/48
+
+
+def test_batched_eagle_requests_equal_each_alone(target, head):
+    """Eagle and plain requests on three slots with small prefill chunks: the target's hidden states reach each
+    request's head from the batched forwards (prompt chunks and trees), and every output equals plain alone."""
+    engine = TorchEngine(target, taps=head.hc.taps)
+    core = EngineCore(engine, 256, CoreConfig(slots=3, max_len=128, prefill_tokens=5))
+    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
+    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=drafter(head, target) if i != 1 else None)
+            for i, p in enumerate(PROMPTS + [[9, 9, 8]])]
+    for r in reqs:
+        core.add(r)
+    for _ in range(500):
+        core.step()
+        if core.idle:
+            break
+    for r, p in zip(reqs, PROMPTS + [[9, 9, 8]]):
+        assert r.result().token_ids == run(TorchEngine(target), p, 30).token_ids
+
+
+def test_onnx_target_outputs_the_reference_hidden_states(target, head, tmp_path):
+    path = export_onnx(target, tmp_path / "target.onnx", taps=head.hc.taps)
+    onnx, ref = OnnxEngine(path, target.cfg, taps=head.hc.taps), TorchEngine(target, taps=head.hc.taps)
+    got, want = [], []
+    for eng, out in ((onnx, got), (ref, want)):
+        pool = eng.make_pool(2, 32)
+        eng.forward_batch([chain_input(pool.caches[0], PROMPTS[0], ()), chain_input(pool.caches[1], PROMPTS[1])],
+                          out)
+    for g, w, p in zip(got, want, PROMPTS):
+        assert g.shape == (len(p), target.cfg.dim) and torch.allclose(g, w, atol=1e-4)
+    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
+    assert run(onnx, PROMPTS[2], 30, drafter(head, target), spec).token_ids == run(ref, PROMPTS[2], 30).token_ids
+
+
+def test_seeded_sampling_with_eagle_repeats(target, head):
+    s = SamplingConfig(temperature=0.8, seed=7)
+    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
+    engine = TorchEngine(target, taps=head.hc.taps)
+    a = run(engine, PROMPTS[1], 40, drafter(head, target, s, 8), spec, s)
+    b = run(engine, PROMPTS[1], 40, drafter(head, target, s, 8), spec, s)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 40
