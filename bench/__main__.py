@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
   python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
   python -m bench costs --drafts self-int8 self-int4      # + each draft's cost and the speedup ceiling it sets
+  python -m bench costs --engines engines/head --drafts eagle   # one step of the learned draft head
   python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
@@ -67,9 +68,12 @@ def main(argv=None) -> int:
     co.add_argument("--nodes", default="1,2,4,8,13,16,32,64", help="tree sizes (default: %(default)s)")
     co.add_argument("--context", type=int, default=200, help="committed tokens before the tree")
     co.add_argument("--repeats", type=int, default=15)
+    co.add_argument("--prefill-chunk", type=int, default=128,
+                    help="prompt tokens of the prefill forward timed with logits at every row and at the last only "
+                         "(default: %(default)s, the engine core's chunk)")
     co.add_argument("--drafts", nargs="*", default=[], metavar="DRAFT",
-                    help="model drafts to time too (self-int8, self-int4, early-exit:N, ...), each with the ceiling "
-                         "its cost puts on speculation")
+                    help="model drafts to time too (self-int8, self-int4, early-exit:N, eagle, ...), each with the "
+                         "ceiling its cost puts on speculation")
     co.add_argument("--json", action="store_true")
     ag = sub.add_parser("agreement", help="top-1 agreement with the fp32 target of each quantized engine of a build",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from spork_trt.config import SamplingConfig
 from spork_trt.engines import prefill
 from spork_trt.runtime import Runtime
 from spork_trt.tree import chain_parents, compile_tree
@@ -31,16 +32,38 @@ def median_ms(fn, repeats: int) -> float:
     return round(statistics.median(times) * 1000, 2)
 
 
-def forward_ms(engine, n: int, repeats: int, run=None) -> float:
-    """Median ms of one forward of an n-node chain after the engine's committed rows (the rows are dropped)."""
+def forward_ms(engine, n: int, repeats: int, run=None, rows: list[int] | None = None) -> float:
+    """Median ms of one forward of an n-node chain after the engine's committed rows (the rows are dropped), with
+    logits at `rows` (None: every node)."""
     buf = compile_tree(chain_parents(n - 1), engine.length)
     ids = torch.tensor([[500 + i for i in range(n)]])
 
     def once():
-        (run or engine.forward)(ids, buf.position_ids, buf.mask)
+        if run is not None:
+            run(ids, buf.position_ids, buf.mask)
+        else:
+            engine.forward(ids, buf.position_ids, buf.mask, rows)
         engine.cache.commit([])  # every repeat runs on the same context
 
     return median_ms(once, repeats)
+
+
+def head_ms(rt: Runtime, context: list[int], repeats: int) -> float:
+    """Median ms of one step of the learned draft head (--draft eagle) after `context` rows of its own cache: one
+    row through the head and the top children of its draft-vocabulary logits (what each greedy draft depth costs)."""
+    d = rt.drafter("eagle", SamplingConfig())
+    d.reset([], len(context) + 8)
+    n, dim = len(context), d.head.hc.dim
+    with torch.inference_mode():
+        d.run(context, torch.zeros(n, dim), torch.arange(n), torch.ones(1, n, n, dtype=torch.bool).tril())
+        d.cache.commit()
+        mask = torch.ones(1, 1, n + 1, dtype=torch.bool)
+
+        def once():
+            torch.topk(d.run([500], torch.zeros(1, dim), torch.tensor([n]), mask)[1], 2)  # greedy: draft vocab
+            d.cache.commit([])
+
+        return median_ms(once, repeats)
 
 
 def ceiling(target_ms: dict[int, float], draft_1: float) -> tuple[float, int]:
@@ -54,28 +77,38 @@ def main(a) -> int:
     target, verifier = rt.engine, rt.verifier()
     nodes = sorted({1, *(int(n) for n in a.nodes.split(","))})
     context = [100 + i % 1000 for i in range(a.context)]
-    target.reset(a.context + max(nodes) + 1)
+    target.reset(a.context + max(*nodes, a.prefill_chunk) + 1)
     prefill(target, context)
     rows = [{"nodes": n, "target_ms": forward_ms(target, n, a.repeats),
              "verifier_ms": forward_ms(target, n, a.repeats, lambda *x: verifier.forward(target, *x))}
             for n in nodes]
+    chunk = a.prefill_chunk  # a prompt chunk: logits at every row (before logit_rows) vs at its last row only
+    prefill_rows = {"tokens": chunk, "all_rows_ms": forward_ms(target, chunk, a.repeats),
+                    "last_row_ms": forward_ms(target, chunk, a.repeats, rows=[chunk - 1])}
     t_ms = {r["nodes"]: r["target_ms"] for r in rows}
     drafts = []
     for name in a.drafts:
-        engine = rt.draft_engine(name).fresh()
-        engine.reset(a.context + max(nodes) + 1)
-        prefill(engine, context)
-        d1 = forward_ms(engine, 1, a.repeats)
+        if name == "eagle":
+            d1 = head_ms(rt, context, a.repeats)
+        else:
+            engine = rt.draft_engine(name).fresh()
+            engine.reset(a.context + max(nodes) + 1)
+            prefill(engine, context)
+            d1 = forward_ms(engine, 1, a.repeats)
         x, depth = ceiling(t_ms, d1)
         drafts.append({"draft": name, "draft_ms": d1, "limit": round(t_ms[1] / d1, 2), "ceiling": x,
                        "ceiling_depth": depth})
-    out = {"context": a.context, "verifier_layers": rt.verifier_layers, "rows": rows, "drafts": drafts}
+    out = {"context": a.context, "verifier_layers": rt.verifier_layers, "rows": rows, "prefill": prefill_rows,
+           "drafts": drafts}
     if a.json:
         print(json.dumps(out))
         return 0
     print(f"| nodes | target ms | {rt.verifier_layers}-layer verifier ms |\n| ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['nodes']} | {r['target_ms']:.1f} | {r['verifier_ms']:.1f} |")
+    p = prefill_rows
+    print(f"\nprefill chunk of {p['tokens']} tokens: {p['all_rows_ms']:.1f} ms with logits at every row, "
+          f"{p['last_row_ms']:.1f} ms at the last row only (what the engine core asks for)")
     if drafts:
         print("\n| draft | one forward ms | target(1) / draft(1) | best speedup at 100% acceptance (depth) |\n"
               "| --- | ---: | ---: | ---: |")

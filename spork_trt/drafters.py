@@ -103,10 +103,11 @@ class ModelDrafter:
 
 
 def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: SamplingConfig, gen: torch.Generator,
-              forward_level) -> DraftTree:
+              forward_level, ids: torch.Tensor | None = None) -> DraftTree:
     """A model drafter's dynamic tree: per depth, the top-K children of every node of the previous depth, keeping
     the K with the highest cumulative draft probability (within the node budget). `logits` [1, V]: the draft's
-    distribution after the root; forward_level(level, tokens, parents) -> [len(level), V] runs one depth."""
+    distribution after the root; forward_level(level, tokens, parents) -> [len(level), V] runs one depth. Greedy
+    drafts may come over a smaller vocabulary: `ids` [N] maps its indices to token ids (logits [*, N])."""
     tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
     level = [0]
     for depth in range(1, spec.tree_depth + 1):
@@ -114,7 +115,7 @@ def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: Sampl
         if room <= 0:
             break
         if sampling.greedy:
-            chosen = top_children(level, logits, logp, spec.tree_width, min(spec.tree_width, room))
+            chosen = top_children(level, logits, logp, spec.tree_width, min(spec.tree_width, room), ids)
         else:
             chosen = sampled_children(level, logits, logp, spec.tree_width, min(spec.tree_width, room), sampling, gen)
         level = []
@@ -134,13 +135,14 @@ def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: Sampl
     return DraftTree(tuple(tokens), tuple(parents), q, tuple(score))
 
 
-def top_children(level, logits, logp, k: int, slots: int) -> list[tuple]:
+def top_children(level, logits, logp, k: int, slots: int, ids: torch.Tensor | None = None) -> list[tuple]:
     """Greedy: the top-K children of every level node, keeping the `slots` best by cumulative log prob.
-    Returns (cumulative log prob, parent, token, None) in rank order."""
+    Returns (cumulative log prob, parent, token, None) in rank order. `ids` [N]: token ids of the logits' columns."""
     lp = torch.log_softmax(logits.float(), -1)  # [L, V]
     top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    tokens = top.indices if ids is None else ids[top.indices]
     cands = [(logp[node] + v, node, t, None) for j, node in enumerate(level)
-             for v, t in zip(top.values[j].tolist(), top.indices[j].tolist())]
+             for v, t in zip(top.values[j].tolist(), tokens[j].tolist())]
     return sorted(cands, key=lambda c: -c[0])[:slots]
 
 

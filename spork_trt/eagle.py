@@ -83,11 +83,13 @@ class EagleDrafter:
         mask[0, :, base:] = torch.ones(n, n, dtype=torch.bool).tril()
         h, logits = self.run(nxt, torch.stack(self.feats), torch.arange(base, base + n), mask)  # [n, C], [n, N]
         self.rows, self.outs = {0: n - 1}, {0: h[-1]}
-        return grow_tree(root, self.to_target(logits[-1:]), spec, self.sampling, self.gen, self.forward_level)
+        greedy = self.sampling.greedy  # greedy drafts pick over the draft vocabulary, mapped by d2t
+        return grow_tree(root, logits[-1:] if greedy else self.to_target(logits[-1:]), spec, self.sampling, self.gen,
+                         self.forward_level, self.head.d2t if greedy else None)
 
     def forward_level(self, level: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
         """One depth of nodes: each reads its parent row's output and its own token; sees the committed rows, the
-        chain and its ancestors' rows. Returns target-vocabulary logits [len(level), V]."""
+        chain and its ancestors' rows. Returns logits [len(level), N] (greedy) or [len(level), V] (sampling)."""
         base, pending = self.cache.length, self.cache.pending
         mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
         mask[0, :, :base + self.rows[0] + 1] = True  # committed rows and the chain (which ends with the root's row)
@@ -104,7 +106,7 @@ class EagleDrafter:
         h, logits = self.run([tokens[node] for node in level], g, pos, mask)
         for j, node in enumerate(level):
             self.outs[node] = h[j]
-        return self.to_target(logits)
+        return logits if self.sampling.greedy else self.to_target(logits)
 
     def run(self, tokens: list[int], g: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
