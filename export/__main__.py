@@ -1,7 +1,7 @@
-"""`python -m export build|inspect|triton|calibrate|self-data|pack|train-draft`: compile a checkpoint into engines;
-show what was built; render the Triton model repository; fit the verifier's confidence head; generate the target's
-own text (the learned drafts' training data); pack it into the corpus that ships for its target; train the draft
-head on it."""
+"""`python -m export build|inspect|triton|calibrate|self-data|pack|train-draft|convert-head`: compile a checkpoint
+into engines; show what was built; render the Triton model repository; fit the verifier's confidence head; generate
+the target's own text (the learned drafts' training data); pack it into the corpus that ships for its target; train
+the draft head on it; convert a published EAGLE-3 head."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,7 @@ EXAMPLES = """examples:
   python -m export build --head results/draft_head        # add a trained draft head (--draft eagle)
   python -m export train-draft --epochs 4 --steps 3       # the draft head on results/selfdata (--resume continues)
   python -m export train-draft --device cuda --taps 2,15,29 --vocab 8192
+  python -m export convert-head path/to/EAGLE3-checkpoint --out heads/eagle3 --model path/to/target.gguf
 """
 
 
@@ -150,18 +151,43 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=["cpu", "cuda"], default=T.device)
     r.add_argument("--seed", type=int, default=T.seed)
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    v = sub.add_parser("convert-head", help="convert a published EAGLE-3 head (config.json + safetensors, Llama "
+                       "target) into this project's format for `export build --head`", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("src", help="the EAGLE-3 checkpoint folder")
+    v.add_argument("--out", required=True, help="folder for head.safetensors")
+    v.add_argument("--model", default=None, help="its target checkpoint, for the default taps (default: "
+                   "SmolLM2-135M-Instruct)")
+    v.add_argument("--taps", default="", help="the target layers whose outputs its fc fuses (default: EAGLE-3's: "
+                   "2, L/2 and L-3 of the target's L layers)")
     return p
+
+
+def parse_taps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise UserError(f"--taps {text!r}: comma-separated layer numbers, e.g. 2,15,29") from None
+
+
+def convert_head(a) -> int:
+    from spork_trt.export.convert_head import convert, default_taps
+
+    taps = parse_taps(a.taps)
+    if not taps:
+        from spork_trt.weights import load_checkpoint
+
+        taps = default_taps(load_checkpoint(a.model).cfg.n_layers)
+    convert(Path(a.src), Path(a.out), taps)
+    return 0
 
 
 def train_draft(a) -> int:
     from spork_trt.export.train_draft import TrainConfig, train_draft
 
-    try:
-        taps = tuple(int(t) for t in a.taps.split(",") if t.strip())
-    except ValueError:
-        raise UserError(f"--taps {a.taps!r}: comma-separated layer numbers, e.g. 2,15,29") from None
-    meta = train_draft(TrainConfig(Path(a.data), Path(a.out), a.model, taps, a.vocab, a.steps, a.epochs, a.lr,
-                                   a.batch, limit=a.limit, device=a.device, seed=a.seed, resume=a.resume))
+    meta = train_draft(TrainConfig(Path(a.data), Path(a.out), a.model, parse_taps(a.taps), a.vocab, a.steps,
+                                   a.epochs, a.lr, a.batch, limit=a.limit, device=a.device, seed=a.seed,
+                                   resume=a.resume))
     print(json.dumps({k: meta[k] for k in ("epoch", "losses", "evals", "train_tokens", "vocab_coverage")}, indent=1))
     return 0
 
@@ -243,6 +269,8 @@ def main(argv=None) -> int:
             return pack(a)
         if a.command == "train-draft":
             return train_draft(a)
+        if a.command == "convert-head":
+            return convert_head(a)
         from spork_trt.export.build import BuildConfig, build
 
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts

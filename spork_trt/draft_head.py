@@ -23,9 +23,10 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import UserError
-from .model import Block, KVStore, RMSNorm, mask_bias, rope_cos_sin, rope_inv_freq
+from .model import MLP, Attention, Block, KVStore, RMSNorm, mask_bias, rope_cos_sin, rope_inv_freq
 
 HEAD_FILE = "head.safetensors"
+LAYOUTS = ("eagle1", "eagle3")
 EMBEDDINGS = "head_embeddings.npy"  # a build's copy of the target's token embeddings [V, C] fp16, for the head
 
 
@@ -41,6 +42,9 @@ class HeadConfig:
     taps: tuple[int, ...]  # target layers (counted from 1) whose outputs are the features
     vocab: int  # draft vocabulary size N
     target_vocab: int  # V
+    # eagle1: fc([emb; g]) -> a Llama decoder layer (what train-draft trains); eagle3: EAGLE-3's layer, attention
+    # over [input_norm(emb); hidden_norm(g)] with g as the residual (published heads, `export convert-head`)
+    layout: str = "eagle1"
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, taps: tuple[int, ...], vocab: int) -> HeadConfig:
@@ -57,14 +61,39 @@ class HeadConfig:
                            norm_eps=self.norm_eps, rope_theta=self.rope_theta)
 
 
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads [input_norm(emb); hidden_norm(g)] (2C wide), g is the residual."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        c, hd = cfg.dim, cfg.head_dim
+        self.input_norm, self.hidden_norm = RMSNorm(c, cfg.norm_eps), RMSNorm(c, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.attn.wq = nn.Linear(2 * c, cfg.n_heads * hd, bias=False)
+        self.attn.wk = nn.Linear(2 * c, cfg.n_kv_heads * hd, bias=False)
+        self.attn.wv = nn.Linear(2 * c, cfg.n_kv_heads * hd, bias=False)
+        self.mlp_norm = RMSNorm(c, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb, g, cos, sin, bias, kv):
+        x = torch.cat([self.input_norm(emb), self.hidden_norm(g)], dim=-1)  # [B, T, 2C]
+        h = g + self.attn(x, cos, sin, bias, 0, kv)
+        return h + self.mlp(self.mlp_norm(h))
+
+
 class DraftHead(nn.Module):
     def __init__(self, hc: HeadConfig) -> None:
         super().__init__()
+        if hc.layout not in LAYOUTS:
+            raise UserError(f"unknown draft head layout {hc.layout!r}: {', '.join(LAYOUTS)}")
         self.hc = hc
         c = hc.dim
         self.fuse = nn.Linear(len(hc.taps) * c, c, bias=False)
-        self.fc = nn.Linear(2 * c, c, bias=False)
-        self.layer = Block(hc.layer_config())
+        if hc.layout == "eagle3":
+            self.layer = Eagle3Layer(hc.layer_config())
+        else:
+            self.fc = nn.Linear(2 * c, c, bias=False)
+            self.layer = Block(hc.layer_config())
         self.norm = RMSNorm(c, hc.norm_eps)
         self.lm_head = nn.Linear(c, hc.vocab, bias=False)
         self.register_buffer("d2t", torch.arange(hc.vocab, dtype=torch.long))  # [N] draft id -> target id
@@ -81,9 +110,12 @@ class DraftHead(nn.Module):
                 kv: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [B, T, C] embeddings of x_{p+1}; g [B, T, C] fused features (or own outputs); position_ids [B, T];
         mask [B, T, S] -> (h [B, T, C], logits [B, T, N])."""
-        x = self.fc(torch.cat([emb, g], dim=-1))  # [B, T, C]
-        cos, sin = (t[:, None] for t in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, 1, T, D]
-        h = self.layer(x, cos, sin, mask_bias(mask)[:, None, None], 0, kv)  # [B, T, C]
+        cos, sin = (t[:, None] for t in rope_cos_sin(position_ids, self.inv_freq, g.dtype))  # [B, 1, T, D]
+        bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, S]
+        if self.hc.layout == "eagle3":
+            h = self.layer(emb, g, cos, sin, bias, kv)  # [B, T, C]
+        else:
+            h = self.layer(self.fc(torch.cat([emb, g], dim=-1)), cos, sin, bias, 0, kv)  # [B, T, C]
         return h, self.lm_head(self.norm(h))
 
     def save(self, d: Path, meta: dict) -> Path:
