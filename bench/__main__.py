@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   python -m bench costs --drafts self-int8 self-int4      # + each draft's cost and the speedup ceiling it sets
   python -m bench costs --engines engines/head --drafts eagle   # one step of the learned draft head
   python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
+  python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
@@ -117,8 +118,21 @@ def main(argv=None) -> int:
     sk.add_argument("--json", action="store_true")
     sv.add_argument("--out", default="results/serve")
     sv.add_argument("--json", action="store_true")
+    gp = sub.add_parser("gpu", help="the GPU engine's check: parity, plain vs HF generate, spork at batch 1, "
+                        "batched (bench/gpu_check.sh runs it on a GPU)", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(gp)
+    gp.set_defaults(limit=16)
+    gp.add_argument("--device", default="cuda", help="cuda (default) or cpu (a self-check with small --limit)")
+    gp.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="bf16")
+    gp.add_argument("--batch", type=int, default=32, help="engine-core slots for the batched run (default: 32)")
+    gp.add_argument("--out", default="results/gpu")
     args = p.parse_args(argv)
     try:
+        if args.command == "gpu":
+            from . import gpu
+
+            return gpu.main(args)
         if args.command == "run":
             from . import run
 

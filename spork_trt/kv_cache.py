@@ -71,10 +71,11 @@ class KVCache(Rows):
     """The torch engine's cache: [L, B, Hkv, Smax, D] buffers, attention reads a view of the first S rows."""
 
     def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, n_layers: int | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         layers = cfg.n_layers if n_layers is None else n_layers
         shape = (layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        super().__init__(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), axis=3)
+        super().__init__(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                         axis=3)
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:

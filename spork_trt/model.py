@@ -66,7 +66,8 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torc
 
 def mask_bias(mask: torch.Tensor) -> torch.Tensor:
     """mask [B, T, S] bool (True = may attend) -> additive attention bias [B, T, S]: 0 or the float32 minimum."""
-    return torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+        ~mask, torch.finfo(torch.float32).min)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

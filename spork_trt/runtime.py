@@ -55,11 +55,16 @@ class Runtime:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
-    def load(cls, model: str | Path | None = None) -> Runtime:
-        """The torch reference engine, from a checkpoint (None: the embedded default)."""
+    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = "bf16") -> Runtime:
+        """The torch reference engine, from a checkpoint (None: the embedded default); on another `device` (cuda)
+        the target runs on the device engine (engines/device_engine.py) in `dtype` (fp32 | fp16 | bf16)."""
         from .engines.torch_engine import TorchEngine
         from .quant import int4_copy, int8_copy
 
+        if device != "cpu":
+            from .engines.device_engine import require_device
+
+            require_device(device)  # one clear line, before the checkpoint loads
         ck = load_checkpoint(model)
         tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
 
@@ -79,7 +84,11 @@ class Runtime:
                                  ck.cfg.vocab_size, draft.cfg.vocab_size, arg)
             return TorchEngine(draft.model)
 
-        return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
+        if device == "cpu":
+            return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
+        from .engines.device_engine import DeviceEngine
+
+        return cls(ck.cfg, tok, DeviceEngine(ck.model, device, dtype), draft_engine, f"torch-{device}-{dtype}")
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -34,6 +35,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--mode", "gate", "--tau", "0.5", "--temperature", "0.7"], "greedy only"),
     (["generate", "hi", "--mode", "gate", "--tau", "0.5"], "export calibrate"),  # the torch engine has no head
     (["generate", "hi", "--target-acceptance", "1.2"], "--target-acceptance must be in (0, 1)"),
+    (["generate", "hi", "--device", "cuda", "--engines", "engines/default"], "pass one or the other"),
+    pytest.param(["generate", "hi", "--device", "cuda"], "sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = run(*args)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU engine's check on a lent GPU machine (the device tool: nothing to fetch there, 64 MiB per call, 15 minutes
+# a session). Prepared and self-checked on the CPU; never run on a GPU yet.
+#
+#   here:      bash bench/gpu_check.sh prepare     # fills .gpu/ (git-ignored through .git/info/exclude): the default
+#                                                   # GGUF in two parts, the gguf wheel, 16 MT-bench prompts as JSONL
+#   device 1:  bash bench/gpu_check.sh stage       # carry [".gpu/part1"]: copies part 1 to /root (a short call)
+#   device 2:  bash bench/gpu_check.sh run         # at once (the machine stays warm 30 s), carry [".gpu/part2",
+#                                                   # ".gpu/wheels", ".gpu/prompts"]: joins the GGUF, checks its
+#                                                   # sha256, runs `python -m bench gpu`, writes $OUT/gpu_check.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step="${1:-}"
+case "$step" in
+prepare)
+    grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    rm -rf .gpu && mkdir -p .gpu/part1 .gpu/part2 .gpu/wheels .gpu/prompts
+    gguf=$(.venv/bin/python -c 'from spork_trt.weights import default_gguf_path; print(default_gguf_path())')
+    sha256sum "$gguf" | cut -d' ' -f1 > .gpu/part2/sha256
+    split -b 50000000 "$gguf" .gpu/model.gguf.
+    mv .gpu/model.gguf.aa .gpu/part1/ && mv .gpu/model.gguf.ab .gpu/part2/
+    .venv/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/wheels \
+        "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    .venv/bin/python - <<'EOF'
+import json
+from spork_trt.prompts import load_prompts
+rows = load_prompts("mt_bench", 16)
+with open(".gpu/prompts/mt_bench16.jsonl", "w") as f:
+    for r in rows:
+        f.write(json.dumps({"question_id": r["id"], "category": r["category"], "turns": [r["prompt"]]}) + "\n")
+EOF
+    du -sh .gpu/*
+    ;;
+stage)
+    cp .gpu/part1/model.gguf.aa /root/model.gguf.aa
+    ls -l /root/model.gguf.aa
+    ;;
+run)
+    cat /root/model.gguf.aa .gpu/part2/model.gguf.ab > /root/model.gguf
+    echo "$(cat .gpu/part2/sha256)  /root/model.gguf" | sha256sum -c -
+    python3 -m pip install --quiet --no-deps --no-index --target /root/pylib .gpu/wheels/*.whl
+    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    timeout 460 python3 -m bench gpu --model /root/model.gguf --prompts .gpu/prompts/mt_bench16.jsonl --limit 16 \
+        --max-new-tokens 128 --batch 32 --dtype bf16 --out "${OUT:-results/gpu}"
+    ;;
+*)
+    echo "usage: bash bench/gpu_check.sh prepare|stage|run (see the comments at the top)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,219 @@
+"""The reference model on a torch device (`--device cuda`; CPU runs the same code for tests) over one KV pool, with
+static shapes per (batch, tokens) bucket, replayed as CUDA graphs on a GPU.
+
+Layout: the pool is one K and one V tensor [L, slots, Hkv, Smax + 1, D] on the device, allocated once; slot s is a
+KVCache view of its first Smax positions (the last one is scratch, where padding rows write and read). A forward
+runs slots 0 .. B-1 together (B = the highest slot in it + 1, rounded up to a bucket; slots not in it are padding
+rows) with every sequence's T new tokens padded to a bucket:
+
+  write positions [B, T]      each new token's row (its context length + index; padding rows: scratch)
+  mask [B, T, Smax + 1]       over absolute positions: the context, then the tree's ancestors (padding: scratch)
+  the model writes its new K/V rows in place (scatter into the pool) and attends over the whole slot, masked
+
+So every tensor of a bucket has a fixed shape and address: the forward is captured once per bucket as a CUDA graph
+and replayed (inputs copied into its static buffers). Logits come back at the asked-for rows only (gathered on the
+device, then copied to the host). Committing a tree path is kv_cache.Rows.commit on the slot's view (a gather on
+the device). Written against PyTorch's documented CUDA graph API (torch.cuda.graph); without a GPU it runs eagerly.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from ..kv_cache import KVCache, KVPool
+from ..model import Transformer
+from . import CachedEngine, SeqInput
+
+T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up to one of these
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    return next((s for s in sizes if s >= n), n)
+
+
+def require_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this torch build sees no CUDA device (torch.cuda.is_available() is False); "
+                        "run on a GPU host with a CUDA build of torch, or use the cpu engines")
+    return dev
+
+
+@dataclass
+class Pool:
+    """One KV pool on the device: full tensors (scratch position included) and the slot views handed out."""
+
+    k: torch.Tensor  # [L, slots, Hkv, Smax + 1, D]
+    v: torch.Tensor
+    caches: list[KVCache]  # [slots] views of the first Smax positions
+    buckets: dict = field(default_factory=dict)  # (B, T) -> Bucket: static buffers (and graphs) over this pool
+
+    @property
+    def scratch(self) -> int:
+        return self.k.shape[3] - 1
+
+
+class PoolKV:
+    """model.KVStore over the first B slots of a pool: a layer's new rows are scattered in place at `write`
+    positions and the layer attends over the slots' whole buffers (the mask says which rows)."""
+
+    def __init__(self, pool: Pool, b: int, write: torch.Tensor) -> None:
+        self.pool, self.b, self.write = pool, b, write  # write [B, T] positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, Smax + 1, D] (views of the pool)."""
+        keys, values = self.pool.k[layer, :self.b], self.pool.v[layer, :self.b]
+        idx = self.write[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        keys.scatter_(2, idx, k.to(keys.dtype))
+        values.scatter_(2, idx, v.to(values.dtype))
+        return keys, values
+
+
+@dataclass
+class Bucket:
+    """A (B, T) shape's static buffers (and its CUDA graph)."""
+
+    ids: torch.Tensor  # [B, T]
+    pos: torch.Tensor  # [B, T]
+    write: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T, Smax + 1]
+    logits: torch.Tensor | None = None  # [B * T, V] outputs of the captured forward
+    hidden: torch.Tensor | None = None  # [B, T, k*C]
+    graph: object | None = None
+
+
+class DeviceEngine(CachedEngine):
+    def __init__(self, model: Transformer, device: str = "cuda", dtype: str = "bf16", taps: tuple[int, ...] = (),
+                 graphs: bool | None = None, shared: dict | None = None) -> None:
+        self.device = require_device(device)
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
+        self.dtype = dtype
+        if shared is None:  # the weights on the device, once: fresh() engines share them and the pools
+            m = copy.deepcopy(model).eval().to(self.device, DTYPES[dtype])
+            m.inv_freq = model.inv_freq.to(self.device)  # RoPE frequencies stay fp32
+            shared = {"model": m}
+        self.shared, self.model = shared, shared["model"]
+        self.taps = taps
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.cache: KVCache | None = None
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    def fresh(self) -> DeviceEngine:
+        return DeviceEngine(self.model, str(self.device), self.dtype, self.taps, self.graphs, self.shared)
+
+    def make_pool(self, slots: int, max_len: int) -> KVPool:
+        full = KVCache(self.cfg, max_len + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
+        caches = [KVCache.over(full.k[:, s:s + 1, :, :max_len], full.v[:, s:s + 1, :, :max_len])
+                  for s in range(slots)]
+        pool = Pool(full.k, full.v, caches)
+        for s, c in enumerate(caches):
+            c.device_slot = (pool, s)  # the pool goes when its caches go (nothing global keeps it)
+        return KVPool(caches)
+
+    def make_cache(self, max_len: int) -> KVCache:
+        return self.make_pool(1, max_len).caches[0]
+
+    def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
+        """One bucketed forward over the sequences' slots (see the module doc)."""
+        self.check_hidden(hidden)
+        entries = []
+        for s in seqs:
+            ctx, n = s.context, len(s.tokens)
+            if ctx + n > s.cache.max_len:
+                raise ValueError(f"KV cache full: {ctx + n} positions needed, {s.cache.max_len} allocated")
+            mask = torch.zeros(n, ctx + n, dtype=torch.bool)
+            mask[:, :ctx] = True
+            mask[:, ctx:] = s.ancestors
+            entries.append((s.cache, s.tokens, s.positions, mask, s.rows))
+        return self.run(entries, hidden)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] over the cache's rows -> logits
+        [1, R, V] at `rows` (None: all T)."""
+        self.check_hidden(hidden)
+        t = input_ids.shape[1]
+        if mask.shape[-1] > self.cache.max_len:
+            raise ValueError(f"KV cache full: {mask.shape[-1]} positions needed, {self.cache.max_len} allocated")
+        want = list(range(t)) if rows is None else list(rows)
+        entry = (self.cache, tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()), mask[0], want)
+        return self.run([entry], hidden)[0][None]
+
+    def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
+        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows)."""
+        found = [getattr(e[0], "device_slot", None) for e in entries]
+        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
+            raise ValueError("every sequence of a forward must be a slot of one pool this engine made")
+        pool = found[0][0]
+        slots = [f[1] for f in found]
+        b = bucket(max(slots) + 1, tuple(range(1, pool.k.shape[1] + 1)))
+        t = bucket(max(len(e[1]) for e in entries), T_BUCKETS)
+        buf = self.bucket(pool, b, t)
+        ids = torch.zeros(b, t, dtype=torch.long)
+        pos = torch.zeros(b, t, dtype=torch.long)
+        write = torch.full((b, t), pool.scratch, dtype=torch.long)
+        mask = torch.zeros(b, t, pool.scratch + 1, dtype=torch.bool)
+        mask[:, :, pool.scratch] = True  # padding rows see the scratch row only (no empty softmax)
+        flat = []
+        for (cache, tokens, positions, m, rows), s in zip(entries, slots):
+            n, base = len(tokens), cache.length + cache.pending
+            ids[s, :n], pos[s, :n] = torch.tensor(tokens), torch.tensor(positions)
+            write[s, :n] = torch.arange(base, base + n)
+            mask[s, :n] = False
+            mask[s, :n, :m.shape[1]] = m
+            flat.append(torch.tensor([s * t + r for r in rows], dtype=torch.long))
+        for name, x in (("ids", ids), ("pos", pos), ("write", write), ("mask", mask)):
+            getattr(buf, name).copy_(x, non_blocking=True)
+        self.replay(pool, buf, b, hidden is not None)
+        at = torch.cat(flat).to(self.device)
+        logits = buf.logits.index_select(0, at).float().cpu()  # [R, V]
+        out = list(torch.split(logits, [len(f) for f in flat]))
+        for (cache, tokens, *_), s in zip(entries, slots):
+            cache.written(len(tokens))
+            if hidden is not None:
+                hidden.append(buf.hidden[s, :len(tokens)].float().cpu())  # [n, k*C]
+        return out
+
+    def bucket(self, pool: Pool, b: int, t: int) -> Bucket:
+        if (b, t) not in pool.buckets:
+            dev, smax = self.device, pool.scratch + 1
+            pool.buckets[(b, t)] = Bucket(
+                torch.zeros(b, t, dtype=torch.long, device=dev), torch.zeros(b, t, dtype=torch.long, device=dev),
+                torch.full((b, t), pool.scratch, dtype=torch.long, device=dev),
+                torch.ones(b, t, smax, dtype=torch.bool, device=dev))
+        return pool.buckets[(b, t)]
+
+    @torch.inference_mode()
+    def forward_static(self, pool: Pool, buf: Bucket, b: int, taps: tuple[int, ...]) -> None:
+        out = self.model(buf.ids, buf.pos, buf.mask, PoolKV(pool, b, buf.write), taps=taps)
+        buf.logits = out.logits.reshape(-1, out.logits.shape[-1])  # [B * T, V]
+        buf.hidden = out.hidden
+
+    def replay(self, pool: Pool, buf: Bucket, b: int, want_hidden: bool) -> None:
+        """Run the bucket's forward: eagerly, or as its CUDA graph (captured on first use, after a warm-up run on a
+        side stream as torch.cuda.graph's documentation asks; the taps are always computed when the engine has
+        them, so one graph serves both)."""
+        taps = self.taps
+        if not self.graphs:
+            self.forward_static(pool, buf, b, taps if want_hidden else ())
+            return
+        if buf.graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.forward_static(pool, buf, b, taps)  # warm-up (its rows are written again below)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.forward_static(pool, buf, b, taps)
+            buf.graph = graph
+        buf.graph.replay()

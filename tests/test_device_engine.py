@@ -1,0 +1,108 @@
+"""The device engine (engines/device_engine.py: the GPU engine's code, run eagerly on the CPU here): its bucketed
+static-shape forward over the pool equals the reference engine's, requests batched through the engine core equal
+plain decoding alone, spork with it is lossless, and asking for CUDA without a GPU is one clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.drafters import NgramDrafter
+from spork_trt.engines import SeqInput, chain_input
+from spork_trt.engines.device_engine import DeviceEngine
+from spork_trt.engines.torch_engine import TorchEngine
+from spork_trt.errors import UserError
+from spork_trt.generate import generate
+from spork_trt.weights import random_checkpoint
+from tests.conftest import tiny_config
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5, [9, 9, 8]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_checkpoint(tiny_config(vocab_size=48, n_layers=3), seed=11, scale=8.0).model
+
+
+def device(target, **kw) -> DeviceEngine:
+    return DeviceEngine(target, "cpu", "fp32", **kw)
+
+
+def test_bucketed_forward_equals_the_reference(target):
+    """Three sequences on slots 0, 2, 3 of a pool (slot 1 a padding row), prompts then a tree each: logits at the
+    asked-for rows and the slots' cache rows equal the reference engine's."""
+    dev, ref = device(target), TorchEngine(target)
+    pools = [dev.make_pool(4, 40), ref.make_pool(4, 40)]
+    slots = [0, 2, 3]
+    outs = []
+    for eng, pool in zip((dev, ref), pools):
+        first = eng.forward_batch([chain_input(pool.caches[s], p, (len(p) - 1,)) for s, p in zip(slots, PROMPTS)])
+        for s in slots:
+            pool.caches[s].commit()
+        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root, then two children
+        trees = [SeqInput(pool.caches[s], (5, 6, 7), (len(p),) * 1 + (len(p) + 1,) * 2, anc)
+                 for s, p in zip(slots, PROMPTS)]
+        outs.append((first, eng.forward_batch(trees)))
+    for (a1, a2), (b1, b2) in [(outs[0], outs[1])]:
+        for x, y in zip(a1 + a2, b1 + b2):
+            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-4)
+    for s, p in zip(slots, PROMPTS):
+        c, r = pools[0].caches[s], pools[1].caches[s]
+        assert c.length == r.length == len(p) and c.pending == r.pending == 3
+        n = len(p) + 3
+        assert torch.allclose(c.k[:, :, :, :n], r.k[:, :, :, :n], atol=1e-5)
+
+
+def test_batched_requests_equal_plain_alone(target):
+    dev = device(target)
+    core = EngineCore(dev, 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
+    spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=8)
+    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
+            for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        core.add(r)
+    for _ in range(400):
+        core.step()
+        if core.idle:
+            break
+    for r, p in zip(reqs, PROMPTS):
+        want = generate(TorchEngine(target), p, GenerateConfig(max_new_tokens=30), frozenset()).token_ids
+        assert r.result().token_ids == want
+
+
+@pytest.mark.parametrize("width,depth", [(1, 4), (3, 5)])
+def test_spork_on_the_device_engine_is_lossless(target, width, depth):
+    spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=width * depth)
+    for p in PROMPTS:
+        got = generate(device(target), p, GenerateConfig(max_new_tokens=40), frozenset(), drafter=NgramDrafter(4),
+                       spec=spec)
+        assert got.token_ids == generate(device(target), p, GenerateConfig(max_new_tokens=40), frozenset()).token_ids
+
+
+def test_half_precision_runs_and_cuda_needs_a_gpu(target):
+    out = generate(DeviceEngine(target, "cpu", "bf16"), PROMPTS[0], GenerateConfig(max_new_tokens=8), frozenset())
+    assert len(out.token_ids) == 8
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="sees no CUDA device"):
+            DeviceEngine(target, "cuda")
+    with pytest.raises(UserError, match="--dtype"):
+        DeviceEngine(target, "cpu", "fp8")
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    """`python -m bench gpu` (what bench/gpu_check.sh runs on a GPU) on the real default model, eagerly on the CPU
+    with two prompts: parity with the reference engine, lossless spork, batched == one at a time."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "bench", "gpu", "--device", "cpu", "--dtype", "fp32", "--limit", "2",
+                        "--max-new-tokens", "12", "--batch", "2", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert res["parity"] == {"identical": 2, "of": 2} and res["batched"]["identical_to_batch_1"] == 2
+    assert res["bf16"]["top1_agreement"] == 1.0  # fp32 vs fp32 here
+    assert all(s["mismatches"] == 0 for s in res["spork"].values()) and "store" in res["spork"]
