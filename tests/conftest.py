@@ -39,6 +39,21 @@ def write_selfdata(target, d: Path, n: int = 160, new_tokens: int = 40) -> Path:
     return d
 
 
+def run_core(core, requests: list, join_at: dict[int, int] | None = None) -> dict:
+    """Step until every request is done; request i joins at step join_at[i] (default 0)."""
+    join_at, steps, out = join_at or {}, 0, {}
+    pending = list(range(len(requests)))
+    while pending or not core.idle:
+        for i in [i for i in pending if join_at.get(i, 0) <= steps]:
+            core.add(requests[i])
+            pending.remove(i)
+        for r in core.step():
+            out[requests.index(r)] = r.result()
+        steps += 1
+        assert steps < 2000
+    return out
+
+
 @pytest.fixture(scope="session")
 def default_checkpoint():
     from spork_trt.weights import load_checkpoint

@@ -17,7 +17,7 @@ from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.generate import generate
 from spork_trt.sampling import make_generator
 from spork_trt.weights import random_checkpoint
-from tests.conftest import tiny_config
+from tests.conftest import run_core, tiny_config
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31], [7, 8]]
 LENGTHS = [30, 12, 25, 18, 40]
@@ -51,21 +51,6 @@ def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig()) -> Reques
     cfg = GenerateConfig(max_new_tokens=LENGTHS[i], sampling=sampling)
     spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
     return Request(PROMPTS[i], cfg, frozenset(), spec, drafter(tiny, kind, draft, sampling))
-
-
-def run_core(core: EngineCore, requests: list[Request], join_at: dict[int, int] | None = None) -> dict:
-    """Step until every request is done; request i joins at step join_at[i] (default 0)."""
-    join_at, steps, out = join_at or {}, 0, {}
-    pending = list(range(len(requests)))
-    while pending or not core.idle:
-        for i in [i for i in pending if join_at.get(i, 0) <= steps]:
-            core.add(requests[i])
-            pending.remove(i)
-        for r in core.step():
-            out[requests.index(r)] = r.result()
-        steps += 1
-        assert steps < 2000
-    return out
 
 
 @pytest.mark.parametrize("kind", ["torch", "onnx"])

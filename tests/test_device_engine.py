@@ -15,7 +15,7 @@ from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
 from spork_trt.generate import generate
 from spork_trt.weights import random_checkpoint
-from tests.conftest import tiny_config
+from tests.conftest import run_core, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5, [9, 9, 8]]
 
@@ -60,15 +60,10 @@ def test_batched_requests_equal_plain_alone(target):
     spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=8)
     reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
             for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        core.add(r)
-    for _ in range(400):
-        core.step()
-        if core.idle:
-            break
-    for r, p in zip(reqs, PROMPTS):
+    out = run_core(core, reqs)
+    for i, p in enumerate(PROMPTS):
         want = generate(TorchEngine(target), p, GenerateConfig(max_new_tokens=30), frozenset()).token_ids
-        assert r.result().token_ids == want
+        assert out[i].token_ids == want
 
 
 @pytest.mark.parametrize("width,depth", [(1, 4), (3, 5)])

@@ -19,7 +19,7 @@ from spork_trt.export.train_draft import TrainConfig, train_draft
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
 from spork_trt.weights import random_checkpoint
-from tests.conftest import tiny_config, write_selfdata
+from tests.conftest import run_core, tiny_config, write_selfdata
 
 GREEDY = SamplingConfig()
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
@@ -88,14 +88,9 @@ def test_batched_eagle_requests_equal_each_alone(target, head):
     spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
     reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=drafter(head, target) if i != 1 else None)
             for i, p in enumerate(PROMPTS + [[9, 9, 8]])]
-    for r in reqs:
-        core.add(r)
-    for _ in range(500):
-        core.step()
-        if core.idle:
-            break
-    for r, p in zip(reqs, PROMPTS + [[9, 9, 8]]):
-        assert r.result().token_ids == run(TorchEngine(target), p, 30).token_ids
+    out = run_core(core, reqs)
+    for i, p in enumerate(PROMPTS + [[9, 9, 8]]):
+        assert out[i].token_ids == run(TorchEngine(target), p, 30).token_ids
 
 
 def test_onnx_target_outputs_the_reference_hidden_states(target, head, tmp_path):
