@@ -30,7 +30,7 @@ from spork_trt.export.artifacts import load_corpus, shipped
 from spork_trt.generate import generate, run_many
 from spork_trt.prompts import load_prompts
 from spork_trt.tokenizer import load_tokenizer
-from spork_trt.weights import default_gguf_path, load_checkpoint
+from spork_trt.weights import load_checkpoint
 
 
 def stage(msg: str) -> None:
@@ -102,7 +102,7 @@ def main(a) -> int:
     if "tokens_per_s" in res["hf"]:
         res["plain"]["x_hf"] = round(plain["tokens_per_s"] / res["hf"]["tokens_per_s"], 2)
 
-    found = shipped(mf.sha256(ck.path) if ck.path.is_file() else "") if ck.path == default_gguf_path() else None
+    found = shipped(mf.sha256(ck.path)) if ck.path.is_file() else None  # the corpus shipped for this checkpoint
     store = Datastore.index(load_corpus(found)) if found else None
     res["spork"] = {}
     for name, make in (("ngram", lambda: NgramDrafter(4)),
