@@ -320,7 +320,8 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
     ports = [str(free_port()) for _ in range(3)]
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                          "--log", str(tmp_path / "triton.log")], stderr=subprocess.PIPE, text=True)
+                          "--log", str(tmp_path / "triton.log")], stderr=(tmp_path / "launcher.err").open("w"),
+                         text=True)  # a file, not a pipe nobody reads: a full pipe would block the launcher
     try:
         deadline, group = time.monotonic() + 120, None
         while group is None:
@@ -332,7 +333,11 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
             assert time.monotonic() < deadline, "no python backend stub started"
             time.sleep(0.1)  # a stub is loading a model: the moment the stubs used to be left behind
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=120) == 130
+        try:
+            code = p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 130, (code, (tmp_path / "launcher.err").read_text()[-2000:])
     finally:
         p.kill()
 
