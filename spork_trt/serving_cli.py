@@ -78,6 +78,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)))
     cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None)
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as cleanly as Ctrl-C
+    # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
+    signal.signal(signal.SIGINT, interrupt)
     print(f"starting tritonserver on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     with TritonServer(cfg) as server:
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
