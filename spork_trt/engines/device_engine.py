@@ -130,10 +130,7 @@ class DeviceEngine(CachedEngine):
             ctx, n = s.context, len(s.tokens)
             if ctx + n > s.cache.max_len:
                 raise ValueError(f"KV cache full: {ctx + n} positions needed, {s.cache.max_len} allocated")
-            mask = torch.zeros(n, ctx + n, dtype=torch.bool)
-            mask[:, :ctx] = True
-            mask[:, ctx:] = s.ancestors
-            entries.append((s.cache, s.tokens, s.positions, mask, s.rows))
+            entries.append((s.cache, s.tokens, s.positions, s.mask()[0], s.rows))  # mask [n, context + n]
         return self.run(entries, hidden)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
