@@ -73,22 +73,9 @@ class ModelDrafter:
 
     def forward_level(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> torch.Tensor:
         """Run one depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors."""
-        eng = self.engine
-        pending = eng.pending
-        mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
-        mask[0, :, : base + self.rows[0]] = True  # committed rows + caught-up `behind` rows
-        depth = []
-        for j, node in enumerate(level):
-            self.rows[node] = pending + j
-            anc, d = node, 0
-            while anc >= 0:
-                if anc in self.rows:
-                    mask[0, j, base + self.rows[anc]] = True
-                anc = parents[anc]
-                d += 1
-            depth.append(d - 1)
+        mask, depth = level_mask(level, parents, self.rows, base, self.engine.pending)
         pos = torch.tensor([[base + self.rows[0] + d for d in depth]])
-        return eng.forward(torch.tensor([[tokens[n] for n in level]]), pos, mask)[0]
+        return self.engine.forward(torch.tensor([[tokens[n] for n in level]]), pos, mask)[0]
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         if not self.rows:  # no proposal this step: the committed tokens are all still to run
@@ -100,6 +87,26 @@ class ModelDrafter:
         self.engine.commit(kept)
         self.behind = [tree.tokens[i] for i in verdict.path[1 + len(ran):]]
         self.rows = {}
+
+
+def level_mask(level: list[int], parents: list[int], rows: dict[int, int], base: int, pending: int
+               ) -> tuple[torch.Tensor, list[int]]:
+    """A draft depth's attention: the level's nodes get pending rows `pending + j` (recorded in `rows`: node -> row
+    after `base` committed ones); each sees the committed rows, the chain up to the root's row rows[0], and its
+    ancestors' rows. Returns (mask [1, L, base + pending + L], each node's depth)."""
+    mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
+    mask[0, :, :base + rows[0]] = True  # committed rows + the caught-up chain before the root
+    depth = []
+    for j, node in enumerate(level):
+        rows[node] = pending + j
+        anc, d = node, 0
+        while anc >= 0:
+            if anc in rows:
+                mask[0, j, base + rows[anc]] = True
+            anc = parents[anc]
+            d += 1
+        depth.append(d - 1)
+    return mask, depth
 
 
 def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: SamplingConfig, gen: torch.Generator,

@@ -27,7 +27,7 @@ import torch
 
 from .config import SamplingConfig, SpecConfig
 from .draft_head import DraftHead
-from .drafters import grow_tree
+from .drafters import grow_tree, level_mask
 from .kv_cache import KVCache
 from .tree import DraftTree
 from .verify import Verdict
@@ -90,17 +90,8 @@ class EagleDrafter:
     def forward_level(self, level: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
         """One depth of nodes: each reads its parent row's output and its own token; sees the committed rows, the
         chain and its ancestors' rows. Returns logits [len(level), N] (greedy) or [len(level), V] (sampling)."""
-        base, pending = self.cache.length, self.cache.pending
-        mask = torch.zeros(1, len(level), base + pending + len(level), dtype=torch.bool)
-        mask[0, :, :base + self.rows[0] + 1] = True  # committed rows and the chain (which ends with the root's row)
-        depth = []
-        for j, node in enumerate(level):
-            self.rows[node] = pending + j
-            anc, d = node, 0
-            while anc > 0:
-                mask[0, j, base + self.rows[anc]] = True
-                anc, d = parents[anc], d + 1
-            depth.append(d)
+        base = self.cache.length
+        mask, depth = level_mask(level, parents, self.rows, base, self.cache.pending)
         g = torch.stack([self.outs[parents[node]] for node in level])  # [L, C]
         pos = torch.tensor([base + self.rows[0] + d for d in depth])  # the root row's position + depth
         h, logits = self.run([tokens[node] for node in level], g, pos, mask)
