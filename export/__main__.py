@@ -56,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--verifier-layers", type=int, default=BuildConfig.verifier_layers,
                    help="layers of the early-layer verifier / early-exit draft (default: %(default)s)")
     b.add_argument("--backend", choices=["onnx", "tensorrt"], default="onnx")
+    b.add_argument("--attention", choices=["gqa", "plain"], default=BuildConfig.attention,
+                   help="the ONNX graphs' attention: gqa = ONNX Runtime's GroupQueryAttention op (CPU: fastest, "
+                        "appends KV rows in place); plain = standard ops only (ONNX Runtime's GPU providers; "
+                        "--backend tensorrt always uses it) (default: %(default)s)")
     b.add_argument("--force", action="store_true", help="rebuild even if the artifacts are up to date")
     b.add_argument("--store", default=BuildConfig.store, metavar="auto|none|DIR",
                    help="the datastore's text (--draft store): auto = the corpus shipped for this checkpoint, if any; "
@@ -276,7 +280,7 @@ def main(argv=None) -> int:
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
         build(BuildConfig(model=a.model, out=Path(a.out), precision=a.precision, drafts=drafts,
                           verifier_layers=a.verifier_layers, backend=a.backend, force=a.force, store=a.store,
-                          head=a.head))
+                          head=a.head, attention=a.attention))
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,8 +1,15 @@
 """The ONE table of engine inputs and outputs. ONNX export (names, dynamic axes), the ONNX Runtime binding,
 TensorRT optimisation profiles and Triton configs all derive from it; a test checks they agree.
 
-KV layout in graphs: [batch, positions, kv_heads, head_dim], so for batch 1 the first P rows of a preallocated
-cache are one contiguous block (bound without a copy) and new rows are written straight after them.
+Two attention layouts (`attention`), chosen at export:
+- GQA (ONNX Runtime CPU, the default): every layer's attention is ONE com.microsoft GroupQueryAttention op over a
+  KV buffer [batch, kv_heads, capacity, head_dim] (BNSH) bound as both past_key_i and present_key_i, so the op
+  appends the new rows in place at each sequence's own context length (seqlens_k, query_seqlens) and reads only
+  each sequence's own rows; the mask's columns are absolute positions [0, S), S = total_sequence_length.
+- PLAIN (TensorRT, and ONNX Runtime's GPU providers, whose GQA kernels are fp16/bf16 only): standard ONNX ops; the
+  past is [batch, positions, kv_heads, head_dim] (for batch 1 the first P rows of a preallocated cache are one
+  contiguous block, bound without a copy), new rows come out as new_key_i [batch, new, kv_heads, head_dim] and the
+  mask's columns are the P past rows, then the T new ones.
 """
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ from .config import ModelConfig
 
 # symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T)
 BATCH, NEW, PAST, TOTAL, ROWS = "batch", "new_tokens", "past_len", "total_len", "logit_rows"
+CAPACITY = "kv_capacity"  # GQA: positions the bound KV buffer holds (>= every sequence's context + new tokens)
+GQA, PLAIN = "gqa", "plain"
+ATTENTIONS = (GQA, PLAIN)
 
 
 @dataclass(frozen=True)
@@ -21,30 +31,42 @@ class TensorSpec:
     dims: tuple[str | int, ...]
 
 
-def kv_names(n_layers: int) -> list[tuple[str, str, str, str]]:
-    """(past key, past value, new key, new value) names per layer."""
-    return [(f"past_key_{i}", f"past_value_{i}", f"new_key_{i}", f"new_value_{i}") for i in range(n_layers)]
+def kv_names(n_layers: int, attention: str = PLAIN) -> list[tuple[str, str, str, str]]:
+    """(past key, past value, new key, new value) names per layer; GQA's outputs are the whole updated buffers
+    (present_key_i, bound to the same memory as past_key_i)."""
+    out = "present" if attention == GQA else "new"
+    return [(f"past_key_{i}", f"past_value_{i}", f"{out}_key_{i}", f"{out}_value_{i}") for i in range(n_layers)]
 
 
-def inputs(cfg: ModelConfig, n_layers: int) -> list[TensorSpec]:
-    kv = (BATCH, PAST, cfg.n_kv_heads, cfg.head_dim)
+def kv_dims(cfg: ModelConfig, attention: str, past: bool) -> tuple[str | int, ...]:
+    if attention == GQA:
+        return (BATCH, cfg.n_kv_heads, CAPACITY, cfg.head_dim)
+    return (BATCH, PAST if past else NEW, cfg.n_kv_heads, cfg.head_dim)
+
+
+def inputs(cfg: ModelConfig, n_layers: int, attention: str = PLAIN) -> list[TensorSpec]:
+    assert attention in ATTENTIONS, attention
     out = [TensorSpec("input_ids", "int64", (BATCH, NEW)), TensorSpec("position_ids", "int64", (BATCH, NEW)),
            TensorSpec("attention_mask", "bool", (BATCH, NEW, TOTAL)),
            # the rows whose logits the graph computes, as flat indices b * T + t into the [B, T] new tokens: a
            # prefill chunk asks for its last row, a padded batch for its real rows only (the LM head is about a
            # fifth of a row's compute for the default model)
            TensorSpec("logit_rows", "int64", (ROWS,))]
-    for pk, pv, _, _ in kv_names(n_layers):
-        out += [TensorSpec(pk, "float32", kv), TensorSpec(pv, "float32", kv)]
+    if attention == GQA:  # per sequence: new tokens n_b (rows past it are padding), context + n_b - 1; S
+        out += [TensorSpec("query_seqlens", "int32", (BATCH,)), TensorSpec("seqlens_k", "int32", (BATCH,)),
+                TensorSpec("total_sequence_length", "int32", ())]
+    for pk, pv, _, _ in kv_names(n_layers, attention):
+        out += [TensorSpec(pk, "float32", kv_dims(cfg, attention, True)),
+                TensorSpec(pv, "float32", kv_dims(cfg, attention, True))]
     return out
 
 
-def outputs(cfg: ModelConfig, n_layers: int, taps: tuple[int, ...] = ()) -> list[TensorSpec]:
+def outputs(cfg: ModelConfig, n_layers: int, taps: tuple[int, ...] = (), attention: str = PLAIN) -> list[TensorSpec]:
     """`taps`: the graph also outputs the hidden states after these layers at every new token (the learned draft
     head's features; a target built with a head has them)."""
-    kv = (BATCH, NEW, cfg.n_kv_heads, cfg.head_dim)
+    kv = kv_dims(cfg, attention, False)
     out = [TensorSpec("logits", "float32", (ROWS, cfg.vocab_size))]
-    for _, _, nk, nv in kv_names(n_layers):
+    for _, _, nk, nv in kv_names(n_layers, attention):
         out += [TensorSpec(nk, "float32", kv), TensorSpec(nv, "float32", kv)]
     if taps:
         out.append(TensorSpec(HIDDEN, "float32", (BATCH, NEW, len(taps) * cfg.dim)))

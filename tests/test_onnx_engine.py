@@ -11,7 +11,7 @@ from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
 from spork_trt.drafters import ModelDrafter
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.export.onnx_graph import export_onnx
+from spork_trt.export.onnx_graph import attention_of, export_onnx
 from spork_trt.export.quantize import quantize_nbits
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
@@ -29,11 +29,23 @@ def tiny(tmp_path_factory):
     return model, target, early, int8
 
 
-def test_graph_follows_io_spec(tiny):
-    model, target, early, _ = tiny
+@pytest.fixture(scope="module")
+def plain(tiny, tmp_path_factory):
+    """The same model's graphs with io_spec.PLAIN attention (standard ops: TensorRT's, ORT GPU providers')."""
+    d = tmp_path_factory.mktemp("onnx_plain")
+    model = tiny[0]
+    return (export_onnx(model, d / "target.onnx", attention=io_spec.PLAIN),
+            export_onnx(model, d / "early.onnx", n_layers=1, attention=io_spec.PLAIN))
+
+
+@pytest.mark.parametrize("attention", io_spec.ATTENTIONS)
+def test_graph_follows_io_spec(tiny, plain, attention):
+    model = tiny[0]
+    target, early = tiny[1:3] if attention == io_spec.GQA else plain
     for path, n in ((target, 3), (early, 1)):
+        assert attention_of(path) == attention
         g = onnx.load(str(path), load_external_data=False).graph
-        want_in, want_out = io_spec.inputs(model.cfg, n), io_spec.outputs(model.cfg, n)
+        want_in, want_out = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, (), attention)
         assert [i.name for i in g.input] == [s.name for s in want_in]
         assert [o.name for o in g.output] == [s.name for s in want_out]
         for vi, spec in zip(list(g.input) + list(g.output), want_in + want_out):
@@ -41,24 +53,83 @@ def test_graph_follows_io_spec(tiny):
             assert dims == list(spec.dims), (vi.name, dims, spec.dims)
 
 
-def test_lean_graph_has_no_shape_arithmetic_and_fused_projections(tiny):
+@pytest.mark.parametrize("attention", io_spec.ATTENTIONS)
+def test_lean_graph_has_no_shape_arithmetic_and_fused_projections(tiny, plain, attention):
     from spork_trt.export.lean import rotate_half_matrix
     from spork_trt.model import rotate_half
 
-    model, target, _, _ = tiny
+    model = tiny[0]
+    target = tiny[1] if attention == io_spec.GQA else plain[0]
     x = torch.randn(3, 5, model.cfg.head_dim)
     assert torch.equal(x @ rotate_half_matrix(model.cfg.head_dim), rotate_half(x))  # exact, not close
     nodes = onnx.load(str(target), load_external_data=False).graph.node
     ops = [n.op_type for n in nodes]
     assert not [n.name for n in nodes if n.op_type == "Shape" and "layers" in n.name]  # constant-shape reshapes
     weight_matmuls = 3 * 4 + 1  # per layer: qkv, wo, gate_up, down; plus the LM head
-    assert ops.count("MatMul") == weight_matmuls + 3 * 3  # + per layer: rotary, scores, values
+    if attention == io_spec.GQA:  # per layer: rotary; the attention core is one op
+        assert ops.count("MatMul") == weight_matmuls + 3 and ops.count("GroupQueryAttention") == 3
+    else:  # per layer: rotary, scores, values
+        assert ops.count("MatMul") == weight_matmuls + 3 * 3 and "GroupQueryAttention" not in ops
 
 
-@pytest.mark.parametrize("make", ["torch", "onnx"])
-def test_engine_interface_invariants(tiny, make):
+def test_gqa_torch_semantics_equal_the_op(tiny):
+    """lean.GroupQueryAttention's torch forward (what the exporter traces, and the op's documented semantics) gives
+    what ONNX Runtime's op gives on a ragged batch of trees with padding rows: outputs at real rows, rows appended
+    at each sequence's own context, nothing else of the buffer touched."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from spork_trt.export.lean import GQA_SLOTS, GroupQueryAttention
+    from spork_trt.model import mask_bias
+
+    h, hkv, d, m = 4, 2, 8, 12
+    ctx, n = [5, 0, 7], [3, 2, 1]
+    b, t = len(ctx), max(n)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, t, x * d, generator=gen) for x in (h, hkv, hkv))
+    past_k, past_v = (torch.randn(b, hkv, m, d, generator=gen) for _ in range(2))
+    width = max(c + j for c, j in zip(ctx, n))
+    mask = torch.zeros(b, t, width, dtype=torch.bool)
+    for i, (c, j) in enumerate(zip(ctx, n)):
+        mask[i, :j, :c] = True
+        mask[i, :j, c:c + j] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[:j, :j]
+        mask[i, j:, 0] = True
+    bias = mask_bias(mask)[:, None]  # [B, 1, T, S]
+    qs = torch.tensor(n, dtype=torch.int32)
+    sk = torch.tensor([c + j - 1 for c, j in zip(ctx, n)], dtype=torch.int32)
+    total = torch.tensor(width, dtype=torch.int32)
+    out, pk, pv = GroupQueryAttention.apply(q, k, v, past_k, past_v, qs, sk, total, bias, h, hkv)
+
+    names = ["q", "k", "v", "past_k", "past_v", "sk", "total", "bias", "qs"]
+    slots = [""] * (GQA_SLOTS[-1] + 1)
+    for slot, name in zip(GQA_SLOTS, names):
+        slots[slot] = name
+    node = helper.make_node("GroupQueryAttention", slots, ["out", "pk", "pv"], domain="com.microsoft",
+                            num_heads=h, kv_num_heads=hkv, causal=1)
+    arrays = dict(zip(names, (q, k, v, past_k, past_v, sk, total, bias, qs)))
+    vi = helper.make_tensor_value_info
+    typ = {torch.float32: TensorProto.FLOAT, torch.int32: TensorProto.INT32}
+    graph = helper.make_graph([node], "gqa", [vi(nm, typ[a.dtype], list(a.shape)) for nm, a in arrays.items()],
+                              [vi("out", TensorProto.FLOAT, None), vi("pk", TensorProto.FLOAT, None),
+                               vi("pv", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {nm: a.numpy() for nm, a in arrays.items()})
+    for i, (c, j) in enumerate(zip(ctx, n)):
+        assert np.abs(got[0][i, :j] - out[i, :j].numpy()).max() < 1e-5
+        for ref, o in ((pk, got[1]), (pv, got[2])):
+            assert np.abs(o[i, :, :c + j] - ref[i, :, :c + j].numpy()).max() < 1e-6  # context and new rows
+    assert torch.equal(pk[:, :, :5][0], past_k[0, :, :5]) and not torch.equal(pk[0, :, 5:8], past_k[0, :, 5:8])
+
+
+@pytest.mark.parametrize("make", ["torch", "onnx", "onnx-plain"])
+def test_engine_interface_invariants(tiny, plain, make):
     model, target, _, _ = tiny
-    engine = TorchEngine(model) if make == "torch" else OnnxEngine(target, model.cfg)
+    engines = {"torch": lambda: TorchEngine(model), "onnx": lambda: OnnxEngine(target, model.cfg),
+               "onnx-plain": lambda: OnnxEngine(plain[0], model.cfg)}
+    engine = engines[make]()
     ids = [3, 9, 27, 17, 51, 25, 11]
     with torch.no_grad():
         full = model(torch.tensor([ids + [5, 6]]), torch.arange(9)[None], causal_mask(0, 9)).logits[0]
@@ -85,13 +156,15 @@ def test_engine_interface_invariants(tiny, make):
     assert (out - full[8:]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("draft", ["int8", "early"])
+@pytest.mark.parametrize("draft", ["int8", "early", "early-plain"])
 @pytest.mark.parametrize("width,depth,share", [(1, 4, True), (3, 3, True), (3, 3, False)])
-def test_spork_on_onnx_engines_equals_plain(tiny, draft, width, depth, share):
+def test_spork_on_onnx_engines_equals_plain(tiny, plain, draft, width, depth, share):
     model, target, early, int8 = tiny
     cfg = GenerateConfig(max_new_tokens=40, sampling=SamplingConfig())
     want = generate(TorchEngine(model), [1, 2, 3, 4], cfg, frozenset()).token_ids
-    engine = OnnxEngine(early, model.cfg, n_layers=1) if draft == "early" else OnnxEngine(int8, model.cfg)
+    if draft == "early-plain":
+        target, early = plain
+    engine = OnnxEngine(early, model.cfg, n_layers=1) if draft.startswith("early") else OnnxEngine(int8, model.cfg)
     drafter = ModelDrafter(engine, SamplingConfig(), torch.Generator(), share_prompt=share)
     spec = SpecConfig(tree_width=width, tree_depth=depth, tree_budget=width * depth)
     got = generate(OnnxEngine(target, model.cfg), [1, 2, 3, 4], cfg, frozenset(), drafter=drafter, spec=spec)

@@ -59,12 +59,15 @@ class SeqInput:
 
 @dataclass(frozen=True)
 class Padded:
-    """A ragged batch laid out for one forward: every sequence padded to the most new tokens T, past rows [B, P]
-    (P >= every context; a sequence sees only its own). A padding row attends to itself only."""
+    """A ragged batch laid out for one forward: every sequence padded to the most new tokens T. The mask's columns
+    are past rows [0, P) (P >= every context; a sequence sees only its own), then the T new ones; a padding row
+    attends to itself only. `absolute` (the GQA graph, which appends each sequence's rows at its own context): the
+    columns are absolute positions [0, S), S = the longest context + new tokens; a padding row attends to
+    position 0 (its output is unused)."""
 
     input_ids: torch.Tensor  # [B, T]
     position_ids: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T, P + T] bool
+    mask: torch.Tensor  # [B, T, P + T] bool (absolute: [B, T, S])
     context: list[int]  # [B] rows each sequence's cache holds
     logit_rows: torch.Tensor  # [R] flat indices b * T + t of every sequence's asked-for rows (at least one: row 0
     # stands in when none is asked for, so no engine sees an empty tensor)
@@ -75,7 +78,7 @@ class Padded:
         return list(torch.split(logits[:sum(self.counts)], self.counts))
 
     @classmethod
-    def of(cls, seqs: list[SeqInput], past: int | None = None) -> Padded:
+    def of(cls, seqs: list[SeqInput], past: int | None = None, absolute: bool = False) -> Padded:
         """`past`: P (default: the longest context)."""
         ctx = [s.context for s in seqs]
         for c, s in zip(ctx, seqs):
@@ -83,13 +86,16 @@ class Padded:
                 raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
         b, t, p = len(seqs), max(len(s.tokens) for s in seqs), max(ctx) if past is None else past
         ids, pos = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
-        mask = torch.zeros(b, t, p + t, dtype=torch.bool)
-        mask[:, torch.arange(t), p + torch.arange(t)] = True
+        width = max(c + len(s.tokens) for c, s in zip(ctx, seqs)) if absolute else p + t
+        mask = torch.zeros(b, t, width, dtype=torch.bool)
+        if not absolute:
+            mask[:, torch.arange(t), p + torch.arange(t)] = True
         for i, s in enumerate(seqs):
-            n = len(s.tokens)
+            n, at = len(s.tokens), ctx[i] if absolute else p  # at: the column of the first new token
             ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
             mask[i, :n, :ctx[i]] = True
-            mask[i, :n, p:p + n] = s.ancestors
+            mask[i, :n, at:at + n] = s.ancestors
+            mask[i, n:, 0] |= absolute
         flat = [i * t + r for i, s in enumerate(seqs) for r in s.rows]
         return cls(ids, pos, mask, ctx, torch.tensor(flat or [0], dtype=torch.long), [len(s.rows) for s in seqs])
 

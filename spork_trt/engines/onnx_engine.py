@@ -1,6 +1,11 @@
 """ONNX Runtime engine: same interface as the torch engine, KV cache in preallocated numpy buffers bound with IO
-binding. Past rows are bound in place (a contiguous prefix of each layer's buffer) and ONNX Runtime writes the new
-rows straight after them, so the bytes moved per step do not depend on the context length."""
+binding, in the graph's attention layout (io_spec):
+- GQA (the default CPU graph): caches [L, 1, Hkv, Smax, D]; one sequence binds each layer's whole buffer as both
+  past and present and the GroupQueryAttention op appends the new rows in place; a batch binds a BNSH Staging
+  the same way and copies each sequence's new rows to its cache after the forward.
+- PLAIN: caches [L, 1, Smax, Hkv, D]; one sequence binds its past rows in place (a contiguous prefix of each
+  layer's buffer) and ONNX Runtime writes the new rows straight after them.
+Either way the bytes moved per step do not depend on the context length."""
 from __future__ import annotations
 
 import os
@@ -56,70 +61,114 @@ class OnnxEngine(CachedEngine):
                                 "or use the cpu profile")
         self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers),
                                                        provider_options=provider_options(providers, path))
-        self.names = io_spec.kv_names(self.n_layers)
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.attention = io_spec.GQA if "seqlens_k" in inputs else io_spec.PLAIN
+        self.names = io_spec.kv_names(self.n_layers, self.attention)
         self.taps = tuple(taps)  # the graph's io_spec.HIDDEN output: hidden states after these layers
         outs = {o.name for o in self.session.get_outputs()}
         if bool(self.taps) != (io_spec.HIDDEN in outs):
             raise UserError(f"{path} {'lacks' if self.taps else 'has'} the {io_spec.HIDDEN} output its manifest "
                             "entry says: rebuild the engines with `python -m export build`")
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
-        self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers
+        self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers (GQA: [L, 1, Hkv, Smax, D])
         self.logits = np.zeros((max_new, cfg.vocab_size), dtype=np.float32)  # [Tmax, V]
         self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
         # past rows of batched forwards (two: the step's tree batch and its prefill batch keep their own)
-        self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim) for _ in range(2)]
+        self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim, bnsh=self.gqa) for _ in range(2)]
 
     @property
     def cfg(self) -> ModelConfig:
         return self._cfg
 
+    @property
+    def gqa(self) -> bool:
+        return self.attention == io_spec.GQA
+
     def fresh(self) -> OnnxEngine:
         return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps)
 
     def make_cache(self, max_len: int) -> Rows:
-        shape = (self.n_layers, 1, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)
-        return Rows(np.zeros(shape, np.float32), np.zeros(shape, np.float32), axis=2)
+        return self.make_pool(1, max_len).caches[0]
 
     def make_pool(self, slots: int, max_len: int) -> KVPool:
-        shape = (self.n_layers, slots, max_len, self._cfg.n_kv_heads, self._cfg.head_dim)  # [L, slots, Smax, Hkv, D]
+        hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
+        inner = (hkv, max_len) if self.gqa else (max_len, hkv)
+        shape = (self.n_layers, slots, *inner, d)  # [L, slots, Smax, Hkv, D] (GQA: [L, slots, Hkv, Smax, D])
         k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # untouched pages cost no memory yet
-        return KVPool([Rows(k[:, s:s + 1], v[:, s:s + 1], axis=2) for s in range(slots)])
+        axis = 3 if self.gqa else 2
+        return KVPool([Rows(k[:, s:s + 1], v[:, s:s + 1], axis=axis) for s in range(slots)])
 
     def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
-        """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), past rows
-        [B, P, Hkv, D] per layer from a Staging (P about the longest context; each sequence sees only its own), new
-        rows scattered back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
+        """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), each
+        layer's past rows of the whole batch from a Staging (P about the longest context; each sequence sees only its
+        own), new rows copied back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
         if len(seqs) == 1:
             return super().forward_batch(seqs, hidden)
         self.check_hidden(hidden)
-        hkv, d, v = self._cfg.n_kv_heads, self._cfg.head_dim, self._cfg.vocab_size
         caches = [s.cache for s in seqs]
         stage = max(self.stagings, key=lambda st: st.overlap(caches))  # the tree batch's and the prefill batch's
+        if self.gqa:
+            return self._batch_gqa(seqs, stage, hidden)
+        hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
         past = stage.past(caches)  # [K|V, L, Bcap, P, Hkv, D]
         b, p = len(seqs), past.shape[3]
         batch = Padded.of(seqs, p)
         t, ctx = batch.input_ids.shape[1], batch.context
-        ids, pos, mask = batch.input_ids.numpy(), batch.position_ids.numpy(), batch.mask.numpy()
         new = self._scratch("new", (2, self.n_layers, b, t, hkv, d))  # [K|V, L, B, T, Hkv, D]
-        rows = batch.logit_rows.numpy()  # [R]
-        logits = self._scratch("logits", (len(rows), v))
-        io = self.session.io_binding()
-        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask), ("logit_rows", rows)):
-            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
+        io, logits, feats = self._bind_batch(batch, {})
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
-                io.bind_input(pname, "cpu", 0, np.float32, (b, p, hkv, d), past[j, layer, :b].ctypes.data)
-                io.bind_output(nname, "cpu", 0, np.float32, (b, t, hkv, d), new[j, layer].ctypes.data)
-        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        feats = self._bind_hidden(io, b, t)  # [B, T, k*C] or None
+                bind(io, pname, past[j, layer, :b])  # [B, P, Hkv, D]
+                bind(io, nname, new[j, layer], out=True)  # [B, T, Hkv, D]
         self.session.run_with_iobinding(io)
+        for i, s in enumerate(seqs):
+            n, c = len(s.tokens), s.cache
+            c.k[:self.n_layers, 0, ctx[i]:ctx[i] + n] = new[0, :, i, :n]
+            c.v[:self.n_layers, 0, ctx[i]:ctx[i] + n] = new[1, :, i, :n]
+        return self._finish(seqs, batch, logits, feats, hidden)
+
+    def _batch_gqa(self, seqs: list[SeqInput], stage: Staging, hidden: list | None) -> list[torch.Tensor]:
+        """The GQA graph over B sequences: each layer's staged buffer [B, Hkv, Pcap, D] is both past and present, so
+        the op writes each sequence's new rows after its own context there; they are copied to the caches after."""
+        batch = Padded.of(seqs, absolute=True)
+        b, ctx, width = len(seqs), batch.context, batch.mask.shape[-1]
+        past = stage.past([s.cache for s in seqs], need=width)  # [K|V, L, Bcap, Hkv, Pcap, D]
+        n = np.array([len(s.tokens) for s in seqs], np.int32)  # [B]
+        lens = {"query_seqlens": n, "seqlens_k": np.asarray(ctx, np.int32) + n - 1,
+                "total_sequence_length": np.array(width, np.int32)}
+        io, logits, feats = self._bind_batch(batch, lens)
+        for layer, (pk, pv, nk, nv) in enumerate(self.names):
+            for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
+                bind(io, pname, past[j, layer, :b])  # [B, Hkv, Pcap, D], appended in place
+                bind(io, nname, past[j, layer, :b], out=True)
+        self.session.run_with_iobinding(io)
+        for i, s in enumerate(seqs):
+            rows, c = slice(ctx[i], ctx[i] + len(s.tokens)), s.cache
+            c.k[:self.n_layers, 0, :, rows] = past[0, :, i, :, rows]
+            c.v[:self.n_layers, 0, :, rows] = past[1, :, i, :, rows]
+        return self._finish(seqs, batch, logits, feats, hidden)
+
+    def _bind_batch(self, batch: Padded, lens: dict[str, np.ndarray]):
+        """An IO binding with a batch's token inputs (and GQA's lengths) bound; its logits [R, V] and hidden
+        [B, T, k*C] (or None) outputs bound to scratch buffers."""
+        b, t = batch.input_ids.shape
+        io = self.session.io_binding()
+        feeds = {"input_ids": batch.input_ids.numpy(), "position_ids": batch.position_ids.numpy(),
+                 "attention_mask": batch.mask.numpy(), "logit_rows": batch.logit_rows.numpy(), **lens}
+        for name, arr in feeds.items():
+            bind(io, name, arr)
+        logits = self._scratch("logits", (len(feeds["logit_rows"]), self._cfg.vocab_size))  # [R, V]
+        bind(io, "logits", logits, out=True)
+        return io, logits, self._bind_hidden(io, b, t)
+
+    def _finish(self, seqs: list[SeqInput], batch: Padded, logits: np.ndarray, feats: np.ndarray | None,
+                hidden: list | None) -> list[torch.Tensor]:
+        """After a batched forward: each sequence's new rows are pending; its hidden states [n_b, k*C] appended to
+        `hidden`; its logits [r_b, V]."""
         for i, s in enumerate(seqs):
             if hidden is not None:
                 hidden.append(torch.from_numpy(feats[i, :len(s.tokens)].copy()))  # [n_b, k*C]
-            n, c = len(s.tokens), s.cache
-            c.k[:, 0, ctx[i]:ctx[i] + n] = new[0, :, i, :n]
-            c.v[:, 0, ctx[i]:ctx[i] + n] = new[1, :, i, :n]
-            c.written(n)
+            s.cache.written(len(s.tokens))
         return batch.split(torch.from_numpy(logits.copy()))  # [r_b, V] each
 
     def _bind_hidden(self, io, b: int, t: int) -> np.ndarray | None:
@@ -127,7 +176,7 @@ class OnnxEngine(CachedEngine):
         if not self.taps:
             return None
         feats = self._scratch(io_spec.HIDDEN, (b, t, len(self.taps) * self._cfg.dim))
-        io.bind_output(io_spec.HIDDEN, "cpu", 0, np.float32, feats.shape, feats.ctypes.data)
+        bind(io, io_spec.HIDDEN, feats, out=True)
         return feats
 
     def _scratch(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -161,16 +210,22 @@ class OnnxEngine(CachedEngine):
         feeds = {"input_ids": np.ascontiguousarray(input_ids.numpy(), dtype=np.int64),
                  "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
                  "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_), "logit_rows": at}
+        if self.gqa:
+            feeds |= {"query_seqlens": np.array([t], np.int32), "seqlens_k": np.array([past + t - 1], np.int32),
+                      "total_sequence_length": np.array(past + t, np.int32)}
         for name, arr in feeds.items():
-            io.bind_input(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)
-        hkv, d = self._cfg.n_kv_heads, self._cfg.head_dim
+            bind(io, name, arr)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for buf, pname, nname in ((c.k, pk, nk), (c.v, pv, nv)):
-                rows = buf[layer, 0]  # [Smax, Hkv, D], contiguous
-                io.bind_input(pname, "cpu", 0, np.float32, (1, past, hkv, d), rows[:past].ctypes.data)
-                io.bind_output(nname, "cpu", 0, np.float32, (1, t, hkv, d), rows[past:past + t].ctypes.data)
+                rows = buf[layer, 0]  # [Smax, Hkv, D] (GQA: [Hkv, Smax, D]), contiguous
+                if self.gqa:  # the whole buffer is past and present: the op appends after row `past`
+                    bind(io, pname, rows[None])
+                    bind(io, nname, rows[None], out=True)
+                else:
+                    bind(io, pname, rows[None, :past])
+                    bind(io, nname, rows[None, past:past + t], out=True)
         logits = self.logits[:len(at)]  # [R, V]
-        io.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        bind(io, "logits", logits, out=True)
         feats = self._bind_hidden(io, 1, t)  # [1, T, k*C] or None
         self.session.run_with_iobinding(io)
         c.written(t)
@@ -178,3 +233,9 @@ class OnnxEngine(CachedEngine):
             self.check_hidden(hidden)
             hidden.append(torch.from_numpy(feats[0].copy()))  # [T, k*C]
         return torch.from_numpy(logits[None, :r].copy())
+
+
+def bind(io, name: str, arr: np.ndarray, out: bool = False) -> None:
+    """Bind a contiguous numpy array (no copy) as a graph input or output."""
+    assert arr.flags.c_contiguous, name
+    (io.bind_output if out else io.bind_input)(name, "cpu", 0, arr.dtype, arr.shape, arr.ctypes.data)

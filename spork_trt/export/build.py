@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import io_spec
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, load_head
 from ..errors import UserError
@@ -43,6 +44,11 @@ class BuildConfig:
     force: bool = False
     store: str = "auto"  # the datastore's text: auto (shipped for this checkpoint) | none | a pack or self-data folder
     head: str = "auto"  # the learned draft head: auto (shipped for this checkpoint) | none | a train-draft folder
+    attention: str = "gqa"  # io_spec.GQA | PLAIN (TensorRT builds always use PLAIN: a plan has no com.microsoft op)
+
+    @property
+    def graph_attention(self) -> str:
+        return io_spec.PLAIN if self.backend == "tensorrt" else self.attention
 
 
 def stage(msg: str) -> None:
@@ -54,6 +60,8 @@ def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
     for d in cfg.drafts:
         if d not in SELF_DRAFTS:
             raise UserError(f"--draft {d}: buildable drafts are {', '.join(SELF_DRAFTS)} (ngram needs no engine)")
+    if cfg.attention not in io_spec.ATTENTIONS:
+        raise UserError(f"--attention {cfg.attention}: use one of {', '.join(io_spec.ATTENTIONS)}")
     if cfg.backend == "onnx":
         if cfg.precision not in PRECISIONS:
             raise UserError(f"--precision {cfg.precision} is not buildable for ONNX Runtime: use "
@@ -86,7 +94,8 @@ def build(cfg: BuildConfig) -> Path:
             raise UserError("--head: the draft head runs with ONNX Runtime builds (--backend onnx) for now")
         head_file, head_what = None, "none (the draft head runs with ONNX Runtime builds)"
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
-              "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT, "tools": mf.tool_versions(),
+              "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT,
+              "attention": cfg.graph_attention, "tools": mf.tool_versions(),
               "backend": cfg.backend,
               "store": store_dir and {"from": store_what, "sha256": mf.sha256(text_file(store_dir))},
               "head": head_file and {"from": head_what, "sha256": mf.sha256(head_file)},
@@ -108,13 +117,16 @@ def build(cfg: BuildConfig) -> Path:
     from .calib_data import calibration_feeds
 
     tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
-    feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers))  # static quantization's inputs
+    attention = cfg.graph_attention
+    feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers, attention))  # static quantization's
     onnx_target = cfg.backend == "onnx" and cfg.precision != "fp32"
     engines: dict[str, dict] = {}
     head = check_head(head_file, ck, source_sha) if head_file is not None else None
     taps = head.hc.taps if head is not None else ()  # the target graph also outputs the head's features
-    stage("exporting target.onnx (fp32" + (f", hidden states after layers {list(taps)})" if taps else ")"))
-    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"), taps=taps)
+    stage(f"exporting target.onnx (fp32, {attention} attention" + (f", hidden states after layers {list(taps)})"
+                                                                    if taps else ")"))
+    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"), taps=taps,
+                       attention=attention)
     made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
 
     def quantized(q: str, path: Path) -> Path:
@@ -128,7 +140,7 @@ def build(cfg: BuildConfig) -> Path:
     engines["target"] = {"path": "target.onnx", "precision": cfg.precision if cfg.backend == "onnx" else "fp32",
                          "layers": n_layers, "taps": list(taps)}
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
-    export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers)
+    export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers, attention=attention)
     engines["verifier"] = {"path": "verifier.onnx", "precision": "fp32", "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
         q = draft.removeprefix("self-")

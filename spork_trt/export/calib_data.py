@@ -24,24 +24,30 @@ def calibration_prompts(per_set: int = CALIB_PER_SET) -> list[str]:
     return [r["prompt"] for name in CALIB_SETS for r in load_prompts(name)[-per_set:]]
 
 
-def prefill_feed(ids: list[int], cfg: ModelConfig, n_layers: int) -> dict[str, np.ndarray]:
-    """One graph input dict: ids as a causal chain with no past rows."""
+def prefill_feed(ids: list[int], cfg: ModelConfig, n_layers: int, attention: str = io_spec.GQA
+                 ) -> dict[str, np.ndarray]:
+    """One graph input dict: ids as a causal chain with no past rows (GQA: an empty buffer of T positions)."""
     t = len(ids)
     feed = {"input_ids": np.array([ids], np.int64),  # [1, T]
             "position_ids": np.arange(t, dtype=np.int64)[None],  # [1, T]
             "attention_mask": causal_mask(0, t).numpy(),  # [1, T, T]
             "logit_rows": np.arange(t, dtype=np.int64)}  # [R = T]
-    empty = np.zeros((1, 0, cfg.n_kv_heads, cfg.head_dim), np.float32)  # [1, P=0, Hkv, D]
-    for pk, pv, _, _ in io_spec.kv_names(n_layers):
+    if attention == io_spec.GQA:
+        feed |= {"query_seqlens": np.array([t], np.int32), "seqlens_k": np.array([t - 1], np.int32),
+                 "total_sequence_length": np.array(t, np.int32)}
+        empty = np.zeros((1, cfg.n_kv_heads, t, cfg.head_dim), np.float32)  # [1, Hkv, M=T, D]
+    else:
+        empty = np.zeros((1, 0, cfg.n_kv_heads, cfg.head_dim), np.float32)  # [1, P=0, Hkv, D]
+    for pk, pv, _, _ in io_spec.kv_names(n_layers, attention):
         feed[pk], feed[pv] = empty, empty
     return feed
 
 
-def calibration_feeds(tok: Tokenizer, cfg: ModelConfig, n_layers: int,
+def calibration_feeds(tok: Tokenizer, cfg: ModelConfig, n_layers: int, attention: str = io_spec.GQA,
                       per_set: int = CALIB_PER_SET) -> list[dict[str, np.ndarray]]:
     stream = [t for p in calibration_prompts(per_set) for t in tok.encode_prompt(p)]
     w = CALIB_WINDOW
-    return [prefill_feed(stream[i:i + w], cfg, n_layers) for i in range(0, len(stream) - w + 1, w)]
+    return [prefill_feed(stream[i:i + w], cfg, n_layers, attention) for i in range(0, len(stream) - w + 1, w)]
 
 
 class FeedReader(CalibrationDataReader):

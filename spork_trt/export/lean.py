@@ -7,7 +7,8 @@ cost was a third of the step with the reference module's trace (about 2,200 node
   to q and k together;
 - every reshape is a constant ONNX Reshape (0 = keep that dim, one -1 for the rest): no shape arithmetic;
 - the attention bias is built once per forward, tiled for the G query heads that share a KV head;
-- new K/V rows come out in io_spec's [B, T, Hkv, D] layout without a transpose.
+- new K/V rows come out in io_spec's [B, T, Hkv, D] layout without a transpose;
+- with io_spec.GQA the attention core (scores, mask, softmax, values, the KV append) is one GroupQueryAttention op.
 Same inputs, outputs and element-wise order of operations as the reference; parity is tested (test_onnx_engine).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..io_spec import GQA, PLAIN
 from ..model import RMSNorm, Transformer, mask_bias, rope_cos_sin
 
 
@@ -54,6 +56,52 @@ def rotate_half_matrix(d: int) -> torch.Tensor:
     return r
 
 
+class GroupQueryAttention(torch.autograd.Function):
+    """ONNX Runtime's com.microsoft GroupQueryAttention with a shared past/present buffer, rotary applied before it
+    and the tree masks as attention_bias: exported as that one op; this forward is its semantics in torch (for
+    the exporter's trace and for tests). q [B, T, H*D], k, v [B, T, Hkv*D], past_k, past_v [B, Hkv, M, D];
+    query_seqlens [B] (rows past n_b are padding), seqlens_k [B] (context_b + n_b - 1), total () = S; bias
+    [B, 1, T, S] over absolute key positions -> out [B, T, H*D], present_k, present_v [B, Hkv, M, D] (the new rows
+    written at [context_b, context_b + n_b))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, query_seqlens, seqlens_k, total, bias, heads: int, kv_heads: int):
+        b, t, _ = q.shape
+        d = past_k.shape[-1]
+        present_k, present_v = past_k.clone(), past_v.clone()
+        n = query_seqlens.long()
+        base = seqlens_k.long() + 1 - n  # [B] context lengths
+        s = int(total)
+        keys_pos = torch.arange(s)  # [S]
+        qpos = base[:, None] + torch.arange(t)  # [B, T] absolute positions of the query rows
+        for i in range(b):
+            rows = slice(int(base[i]), int(base[i] + n[i]))
+            present_k[i, :, rows] = k[i, :n[i]].reshape(-1, kv_heads, d).transpose(0, 1)
+            present_v[i, :, rows] = v[i, :n[i]].reshape(-1, kv_heads, d).transpose(0, 1)
+        g = heads // kv_heads
+        keys = present_k[:, :, :s].repeat_interleave(g, dim=1)  # [B, H, S, D]
+        values = present_v[:, :, :s].repeat_interleave(g, dim=1)
+        qh = q.reshape(b, t, heads, d).transpose(1, 2)  # [B, H, T, D]
+        scores = qh @ keys.transpose(2, 3) / math.sqrt(d) + bias  # [B, H, T, S]
+        causal = keys_pos[None, None, None, :] > qpos[:, None, :, None]  # [B, 1, T, S]
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        return (probs @ values).transpose(1, 2).reshape(b, t, heads * d), present_k, present_v
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, query_seqlens, seqlens_k, total, bias, heads, kv_heads):
+        # inputs 7-9 (cos_cache, sin_cache, position_ids) and 11-15 stay empty: onnx_graph.export_onnx writes the
+        # empty slots after the export (io_spec.GQA_SLOTS)
+        outs = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k, total, bias,
+                    query_seqlens, num_heads_i=heads, kv_num_heads_i=kv_heads, causal_i=1, outputs=3)
+        for out, like in zip(outs, (q, past_k, past_v)):  # the exporter infers no shapes for a custom op
+            out.setType(like.type())
+        return outs
+
+
+# GroupQueryAttention's input slots of the inputs the symbolic passes, in order (the schema's 17 inputs)
+GQA_SLOTS = (0, 1, 2, 3, 4, 5, 6, 10, 16)
+
+
 class LeanAttention(nn.Module):
     def __init__(self, ref, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -76,6 +124,17 @@ class LeanAttention(nn.Module):
         out = reshape(probs @ values.transpose(1, 2), 0, h, -1, d)  # [B, H, T, D]
         return self.wo(reshape(out.transpose(1, 2), 0, -1, h * d)), k, v  # [B, T, C], new rows [B, T, Hkv, D] x2
 
+    def forward_gqa(self, x, cos, sin, bias, past_k, past_v, lens):
+        # x [B, T, C]; cos, sin [B, T, 1, D]; bias [B, 1, T, S]; past_k, past_v [B, Hkv, M, D] (bound in place);
+        # lens: query_seqlens [B], seqlens_k [B], total ()
+        h, hkv, d = self.h, self.hkv, self.d
+        y = reshape(self.wqkv(x), 0, -1, h + 2 * hkv, d)  # [B, T, H + 2 Hkv, D]
+        qk, v = y[:, :, :h + hkv], y[:, :, h + hkv:]
+        qk = qk * cos + (qk @ self.rot) * sin
+        q, k = reshape(qk[:, :, :h], 0, 0, h * d), reshape(qk[:, :, h:], 0, 0, hkv * d)  # [B, T, H*D], [B, T, Hkv*D]
+        out, pk, pv = GroupQueryAttention.apply(q, k, reshape(v, 0, 0, hkv * d), past_k, past_v, *lens, bias, h, hkv)
+        return self.wo(out), pk, pv  # [B, T, C], present [B, Hkv, M, D] x2
+
 
 class LeanMLP(nn.Module):
     def __init__(self, ref) -> None:
@@ -97,19 +156,23 @@ class LeanBlock(nn.Module):
         self.mlp_norm: RMSNorm = ref.mlp_norm
         self.mlp = LeanMLP(ref.mlp)
 
-    def forward(self, x, cos, sin, bias, past_k, past_v):
-        a, k, v = self.attn(self.attn_norm(x), cos, sin, bias, past_k, past_v)
+    def forward(self, x, cos, sin, bias, past_k, past_v, lens=None):
+        h = self.attn_norm(x)
+        a, k, v = (self.attn(h, cos, sin, bias, past_k, past_v) if lens is None
+                   else self.attn.forward_gqa(h, cos, sin, bias, past_k, past_v, lens))
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), k, v
 
 
 class LeanGraph(nn.Module):
-    """(input_ids, position_ids, attention_mask, logit_rows, *past) -> (logits [R, V], *new kv[, hidden]) over the
-    first `n_layers` layers."""
+    """(input_ids, position_ids, attention_mask, logit_rows[, query_seqlens, seqlens_k, total], *past) ->
+    (logits [R, V], *new kv[, hidden]) over the first `n_layers` layers (io_spec's inputs and outputs for
+    `attention`)."""
 
-    def __init__(self, model: Transformer, n_layers: int, taps: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: Transformer, n_layers: int, taps: tuple[int, ...] = (), attention: str = PLAIN) -> None:
         super().__init__()
         self.taps = taps  # also output the hidden states after these layers (io_spec.HIDDEN)
+        self.gqa = attention == GQA
         cfg = model.cfg
         self.g, self.dim = cfg.n_heads // cfg.n_kv_heads, cfg.dim
         self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
@@ -118,13 +181,17 @@ class LeanGraph(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, logit_rows, *past):
         # input_ids, position_ids [B, T]; attention_mask [B, T, S] bool; logit_rows [R] flat indices into [B, T];
-        # past: key, value [B, P, Hkv, D] per layer
+        # GQA: query_seqlens, seqlens_k [B] int32, total () int32, then key, value [B, Hkv, M, D] per layer;
+        # PLAIN: key, value [B, P, Hkv, D] per layer
+        lens, past = (past[:3], past[3:]) if self.gqa else (None, past)
         x = self.embed(input_ids)  # [B, T, C]
         cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, T, 1, D]
-        bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
+        bias = mask_bias(attention_mask)[:, None]  # [B, 1, T, S]
+        if not self.gqa:
+            bias = bias.repeat(1, 1, self.g, 1)  # [B, 1, G*T, S]
         new, tapped = [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1], lens)
             new += [k, v]
             tapped[i + 1] = x
         hidden = [torch.cat([tapped[t] for t in self.taps], dim=-1)] if self.taps else []  # [B, T, k*C]

@@ -9,37 +9,46 @@ import torch
 
 from .. import io_spec
 from ..model import Transformer
-from .lean import LeanGraph
+from .lean import GQA_SLOTS, LeanGraph
 
 OPSET = 17
-GRAPH_LAYOUT = "lean-2"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
+GRAPH_LAYOUT = "lean-3"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
 
 
-def example_inputs(model: Transformer, n_layers: int, past: int = 3, new: int = 2) -> tuple:
+def example_inputs(model: Transformer, n_layers: int, attention: str, past: int = 3, new: int = 2) -> tuple:
     cfg = model.cfg
     ids = torch.zeros(1, new, dtype=torch.long)
     pos = torch.arange(past, past + new)[None]
     mask = torch.ones(1, new, past + new, dtype=torch.bool)
     rows = torch.arange(new)  # [R]
+    if attention == io_spec.GQA:
+        lens = (torch.tensor([new], dtype=torch.int32), torch.tensor([past + new - 1], dtype=torch.int32),
+                torch.tensor(past + new, dtype=torch.int32))
+        kv = [torch.zeros(1, cfg.n_kv_heads, past + new + 1, cfg.head_dim) for _ in range(2 * n_layers)]
+        return (ids, pos, mask, rows, *lens, *kv)
     kv = [torch.zeros(1, past, cfg.n_kv_heads, cfg.head_dim) for _ in range(2 * n_layers)]
     return (ids, pos, mask, rows, *kv)
 
 
-def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps: tuple[int, ...] = ()) -> Path:
+def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps: tuple[int, ...] = (),
+                attention: str = io_spec.GQA) -> Path:
     """Write `out` (.onnx) with its weights in `out`.data; returns the path. `taps`: also output the hidden states
-    after these layers (io_spec.HIDDEN: the learned draft head's features)."""
+    after these layers (io_spec.HIDDEN: the learned draft head's features). `attention`: io_spec.GQA (ONNX Runtime
+    CPU) or io_spec.PLAIN (standard ops only: TensorRT, ONNX Runtime's GPU providers)."""
     import onnx
 
     n = model.cfg.n_layers if n_layers is None else n_layers
-    ins, outs = io_spec.inputs(model.cfg, n), io_spec.outputs(model.cfg, n, taps)
+    ins, outs = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, taps, attention)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.onnx")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about python-side shape arithmetic
-        torch.onnx.export(LeanGraph(model.eval(), n, taps).eval(), example_inputs(model, n), str(tmp), dynamo=False,
-                          opset_version=OPSET, input_names=[s.name for s in ins], output_names=[s.name for s in outs],
-                          dynamic_axes=io_spec.dynamic_axes(ins + outs), do_constant_folding=True)
+        torch.onnx.export(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),
+                          str(tmp), dynamo=False, opset_version=OPSET, input_names=[s.name for s in ins],
+                          output_names=[s.name for s in outs], dynamic_axes=io_spec.dynamic_axes(ins + outs),
+                          do_constant_folding=True, custom_opsets={"com.microsoft": 1})
     graph = onnx.load(str(tmp))
+    place_gqa_inputs(graph)
     declare_shapes(graph, ins, outs)
     tmp.unlink()
     for f in tmp.parent.glob(tmp.name + "*"):
@@ -51,6 +60,25 @@ def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps
                     size_threshold=1024)
     onnx.checker.check_model(str(out))
     return out
+
+
+def place_gqa_inputs(graph) -> None:
+    """Move each GroupQueryAttention node's inputs to their schema slots (lean.GQA_SLOTS), the others empty."""
+    for node in graph.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            slots = [""] * (GQA_SLOTS[-1] + 1)
+            for slot, name in zip(GQA_SLOTS, node.input, strict=True):
+                slots[slot] = name
+            del node.input[:]
+            node.input.extend(slots)
+
+
+def attention_of(path: Path) -> str:
+    """The attention layout (io_spec.GQA or PLAIN) of an exported graph, read from its inputs."""
+    import onnx
+
+    names = {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}
+    return io_spec.GQA if "seqlens_k" in names else io_spec.PLAIN
 
 
 def declare_shapes(graph, ins: list[io_spec.TensorSpec], outs: list[io_spec.TensorSpec]) -> None:
