@@ -1,6 +1,7 @@
 """Micro-benchmark: ONE attention layer of the default model (H=9, Hkv=3, D=64, C=576, fp32) on ONNX Runtime CPU.
 
-(A) "padded": what spork_trt/export/lean.py LeanAttention does today, minus the q/k/v projections, rotary and wo:
+(A) "padded": what the io_spec.PLAIN graph's attention does (spork_trt/export/lean.py LeanAttention.forward),
+    minus the q/k/v projections, rotary and wo:
     q [B,T,H*D], k/v new [B,T,Hkv,D], past_k/past_v [B,P,Hkv,D] (dense staging, P = longest context rounded up
     to 16), additive bias [B,1,G*T,P+T] already tiled (LeanGraph tiles it once per forward, outside the layers)
     -> Concat(past,new) on positions, q@K^T / sqrt(D), + bias, Softmax, @V -> out [B,T,H*D]; the new k/v rows
@@ -8,8 +9,9 @@
     "copies": the numpy copies the engine does around a forward (onnx_engine.forward_batch + staging.Staging.past):
     per sequence, new rows -> its pool slot (K and V), and the committed rows -> the staging buffer (K and V),
     T rows each, done with the engine's all-layer statements over L layers, divided by L (per-layer share).
-(B) "gqa": one com.microsoft.GroupQueryAttention node (causal=1, query_seqlens, seqlens_k = ctx_b + T - 1,
-    total_sequence_length = max_b(ctx_b) + T, attention_bias [B,1,T,S]) with one BNSH buffer [B,Hkv,Smax,D] bound
+(B) "gqa": what the io_spec.GQA graph (the default since lean-3) does: one com.microsoft.GroupQueryAttention
+    node (causal=1, query_seqlens, seqlens_k = ctx_b + T - 1, total_sequence_length = max_b(ctx_b) + T,
+    attention_bias [B,1,T,S]) with one BNSH buffer [B,Hkv,Smax,D] bound
     as both past and present (in-place append), no copies around it.
 
 Both run with IOBinding to preallocated numpy buffers; A and B are timed interleaved (A, B, A, B, ...) so load

@@ -79,6 +79,29 @@ def test_forward_batch_equals_one_sequence_forwards(tiny, kind):
 
 
 @pytest.mark.parametrize("kind", ["torch", "onnx"])
+def test_forward_batch_with_uneven_contexts_equals_alone(tiny, kind):
+    """A long context with one new token beside an empty one with a 7-token chunk (the GQA graph needs room for the
+    padded chunk after every context: 60 + 7 > the slots' 64), then the same again: logits and rows equal alone."""
+    eng = engine(tiny, kind)
+    pool, alone = eng.make_pool(2, 64), eng.make_pool(2, 64)
+    long = [(i * 7) % 30 + 1 for i in range(60)]
+    for p in (pool, alone):
+        eng.forward_batch([chain_input(p.caches[0], long)])
+        p.caches[0].commit()
+    for _ in range(2):
+        got = eng.forward_batch([chain_input(pool.caches[0], [3]), chain_input(pool.caches[1], PROMPTS[0][:7])])
+        want = [eng.forward_batch([chain_input(alone.caches[0], [3])])[0],
+                eng.forward_batch([chain_input(alone.caches[1], PROMPTS[0][:7])])[0]]
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-4), (g - w).abs().max()
+        for p in (pool, alone):
+            p.caches[0].commit()
+            p.caches[1].truncate(0)  # the empty one stays empty: its chunk comes again after the grown context
+    for c, a in zip(pool.caches, alone.caches):
+        assert torch.allclose(torch.as_tensor(c.k), torch.as_tensor(a.k), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["torch", "onnx"])
 def test_batched_requests_equal_each_request_alone(tiny, kind):
     """Five requests (plain, n-gram, early-exit drafts) on three slots with small prefill chunks: some queue, some
     join mid-run; each one's tokens equal plain greedy decoding of it alone."""

@@ -113,7 +113,8 @@ def test_gqa_torch_semantics_equal_the_op(tiny):
     graph = helper.make_graph([node], "gqa", [vi(nm, typ[a.dtype], list(a.shape)) for nm, a in arrays.items()],
                               [vi("out", TensorProto.FLOAT, None), vi("pk", TensorProto.FLOAT, None),
                                vi("pv", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     got = sess.run(None, {nm: a.numpy() for nm, a in arrays.items()})

@@ -131,8 +131,9 @@ class OnnxEngine(CachedEngine):
         """The GQA graph over B sequences: each layer's staged buffer [B, Hkv, Pcap, D] is both past and present, so
         the op writes each sequence's new rows after its own context there; they are copied to the caches after."""
         batch = Padded.of(seqs, absolute=True)
-        b, ctx, width = len(seqs), batch.context, batch.mask.shape[-1]
-        past = stage.past([s.cache for s in seqs], need=width)  # [K|V, L, Bcap, Hkv, Pcap, D]
+        (b, t), ctx, width = batch.input_ids.shape, batch.context, batch.mask.shape[-1]
+        # the op wants room for every sequence's padded chunk after its context: Pcap >= max(context) + T
+        past = stage.past([s.cache for s in seqs], need=max(ctx) + t)  # [K|V, L, Bcap, Hkv, Pcap, D]
         n = np.array([len(s.tokens) for s in seqs], np.int32)  # [B]
         lens = {"query_seqlens": n, "seqlens_k": np.asarray(ctx, np.int32) + n - 1,
                 "total_sequence_length": np.array(width, np.int32)}

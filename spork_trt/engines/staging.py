@@ -1,14 +1,15 @@
 """The past K/V rows of a batched ONNX Runtime forward, kept between forwards in the graph's layout.
 
-The graph takes each layer's past as one dense tensor over the batch ([B, P, Hkv, D], or BNSH [B, Hkv, P, D] for
-the GQA graph, which then appends the new rows to it in place), while each sequence's rows live in its own pool
-slot. Copying every sequence's whole context into that layout each step would move the whole batch's KV cache per
-step; a Staging instead mirrors it: buffer [K|V, L, Bcap, Pcap, Hkv, D] (BNSH: [K|V, L, Bcap, Hkv, Pcap, D]),
-batch row b mirroring the committed rows of the cache at batch index b (a cache of the same layout). A sequence found at the same index as in the previous forward gets
-only the rows committed since copied (a step's accepted path); a new one, or one whose cache was rolled back
-(`Rows.generation`), is copied whole. Pcap, a multiple of ROW_BLOCK, grows with the longest context, so the
-attention reads at most ROW_BLOCK - 1 masked rows more than it needs; a larger Pcap or Bcap lays everything out
-anew (once per ROW_BLOCK tokens of growth). Rows past a sequence's context hold finite stale values, masked off.
+The graph takes each layer's past as one dense tensor over the batch ([B, P, Hkv, D], or BNSH [B, Hkv, P, D] for the
+GQA graph, which then appends the new rows to it in place), while each sequence's rows live in its own pool slot.
+Copying every sequence's whole context into that layout each step would move the whole batch's KV cache per step; a
+Staging instead mirrors it: buffer [K|V, L, Bcap, Pcap, Hkv, D] (BNSH: [K|V, L, Bcap, Hkv, Pcap, D]), batch row b
+mirroring the committed rows of the cache at batch index b (a cache of the same layout). A sequence found at the same
+index as in the previous forward gets only the rows committed since copied (a step's accepted path); a new one, or
+one whose cache was rolled back (`Rows.generation`), is copied whole. Pcap, a multiple of ROW_BLOCK, grows with the
+longest context, so the attention reads at most ROW_BLOCK - 1 masked rows more than it needs; a larger Pcap or Bcap
+lays everything out anew (once per ROW_BLOCK tokens of growth). Rows past a sequence's context hold finite stale
+values, masked off.
 """
 from __future__ import annotations
 
