@@ -33,6 +33,12 @@ from .tree import DraftTree, compile_tree
 from .verifier import Scored, Verifier, gate_path
 from .verify import Verdict, verify_greedy, verify_sampling
 
+# Under load the allotment often verifies no draft node at all; proposing (store lookups, verifier, scheduler) then
+# costs every request time for nothing. After a step of FUTILE_BATCH or more requests whose allotment took no node,
+# steps of that many requests or more decode plain (no proposals) except every PROBE_EVERY-th, which proposes to look
+# again; a probe that verifies any node, or a smaller batch, brings proposals back.
+FUTILE_BATCH, PROBE_EVERY = 4, 8
+
 # sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
 Observe = Callable[[DraftTree, Scored | None, Verdict], None]
 
@@ -142,6 +148,8 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
+        self.steps = 0
+        self.futile_at: int | None = None  # batch size from which proposing is futile (FUTILE_BATCH)
 
     def add(self, r: Request) -> Request:
         """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
@@ -170,10 +178,12 @@ class EngineCore:
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
-        drafts = [self.propose(r) for r in decoding]
+        drafting = self.futile_at is None or len(decoding) < self.futile_at or self.steps % PROBE_EVERY == 0
+        drafts = [self.propose(r, drafting) for r in decoding]
         padded = self.engine.padded_batches
         counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
                        padded)
+        self.learn_futility(drafts, counts)
         trees = {r: self.tree_work(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
         t = time.perf_counter()
         hidden = [] if any(wants_hidden(r) for r in trees) else None  # [n_b, k*C] each: the draft head's features
@@ -187,7 +197,17 @@ class EngineCore:
         for r, d in zip(decoding, drafts):
             self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
         self.prefill(prefilling)
+        self.steps += 1
         return done + self.retire([r for r in self.active if r.stop.reason is not None])
+
+    def learn_futility(self, drafts: list[Draft], counts: list[int]) -> None:
+        """After an allotment over requests that proposed nodes: none taken at FUTILE_BATCH or more requests marks
+        that batch size futile; any taken clears it."""
+        offered = [n for d, n in zip(drafts, counts) if d.cands is not None and d.cands.order]
+        if any(offered):
+            self.futile_at = None
+        elif offered and len(drafts) >= FUTILE_BATCH:
+            self.futile_at = min(len(drafts), self.futile_at or len(drafts))
 
     def admit(self) -> None:
         while self.waiting and (slot := self.pool.take()) is not None:
@@ -211,9 +231,9 @@ class EngineCore:
             r.finished = True
         return leaving
 
-    def propose(self, r: Request) -> Draft:
+    def propose(self, r: Request, drafting: bool = True) -> Draft:
         t = time.perf_counter()
-        speculate = r.drafter is not None and r.sched.speculate()
+        speculate = drafting and r.drafter is not None and r.sched.speculate()
         proposed = r.drafter.propose(r.root, r.sched.shape()) if speculate else DraftTree.root_only(r.root)
         t_score = time.perf_counter()
         gate = r.spec.gate_tau > 0

@@ -50,9 +50,13 @@ class Staging:
         caches[b] at batch index b; Pcap >= every context and >= `need`."""
         b, need = len(caches), max(need, *(c.length + c.pending for c in caches))
         if b > self.buf.shape[2] or need > self.pcap:
+            bcap = max(b, self.buf.shape[2])
+            if self.bnsh:  # GQA reads each sequence's own rows only, whatever Pcap is: lay out once for the longest
+                # cache and twice the batch (np.zeros pages cost memory only once written)
+                need, bcap = max(need, *(c.max_len for c in caches)), max(b, 2 * self.buf.shape[2])
             pcap = max(self.pcap, -(-need // ROW_BLOCK) * ROW_BLOCK)
-            self.buf = np.zeros(self._shape(max(b, self.buf.shape[2]), pcap), np.float32)  # fresh zeros: only
-            # finite values ever, so masking never makes NaN
+            self.buf = np.zeros(self._shape(bcap, pcap), np.float32)  # fresh zeros: only finite values ever, so
+            # masking never makes NaN
             self.rows, self.mirrored = [None] * self.buf.shape[2], [0] * self.buf.shape[2]
         for i, c in enumerate(caches):
             if self.rows[i] is None or self.rows[i][0] is not c or self.rows[i][1] != c.generation:
