@@ -22,6 +22,7 @@ import torch
 
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
+from .draft_switch import DraftSwitch
 from .engines import SeqInput, chain_input
 from .errors import QueueFull, UserError
 from .kv_cache import KVPool
@@ -32,12 +33,6 @@ from .stopping import StopState
 from .tree import DraftTree, compile_tree
 from .verifier import Scored, Verifier, gate_path
 from .verify import Verdict, verify_greedy, verify_sampling
-
-# Under load the allotment often verifies no draft node at all; proposing (store lookups, verifier, scheduler) then
-# costs every request time for nothing. After a step of FUTILE_BATCH or more requests whose allotment took no node,
-# steps of that many requests or more decode plain (no proposals) except every PROBE_EVERY-th, which proposes to look
-# again; a probe that verifies any node, or a smaller batch, brings proposals back.
-FUTILE_BATCH, PROBE_EVERY = 4, 8
 
 # sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
 Observe = Callable[[DraftTree, Scored | None, Verdict], None]
@@ -148,8 +143,7 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
-        self.steps = 0
-        self.futile_at: int | None = None  # batch size from which proposing is futile (FUTILE_BATCH)
+        self.switch = DraftSwitch()  # whether a step proposes at all, measured per batch size
 
     def add(self, r: Request) -> Request:
         """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
@@ -178,12 +172,12 @@ class EngineCore:
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
-        drafting = self.futile_at is None or len(decoding) < self.futile_at or self.steps % PROBE_EVERY == 0
+        t0, drafting = time.perf_counter(), self.switch.propose(len(decoding))
         drafts = [self.propose(r, drafting) for r in decoding]
         padded = self.engine.padded_batches
         counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
                        padded)
-        self.learn_futility(drafts, counts)
+        self.switch.allotted([n for d, n in zip(drafts, counts) if d.cands is not None and d.cands.order])
         trees = {r: self.tree_work(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
         t = time.perf_counter()
         hidden = [] if any(wants_hidden(r) for r in trees) else None  # [n_b, k*C] each: the draft head's features
@@ -194,20 +188,11 @@ class EngineCore:
             sizes = [len(w.seq.tokens) for w in trees.values()]
             self.batch_tokens = sum(sizes)
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
-        for r, d in zip(decoding, drafts):
-            self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
+        committed = sum(self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
+                        for r, d in zip(decoding, drafts))
+        self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0)
         self.prefill(prefilling)
-        self.steps += 1
         return done + self.retire([r for r in self.active if r.stop.reason is not None])
-
-    def learn_futility(self, drafts: list[Draft], counts: list[int]) -> None:
-        """After an allotment over requests that proposed nodes: none taken at FUTILE_BATCH or more requests marks
-        that batch size futile; any taken clears it."""
-        offered = [n for d, n in zip(drafts, counts) if d.cands is not None and d.cands.order]
-        if any(offered):
-            self.futile_at = None
-        elif offered and len(drafts) >= FUTILE_BATCH:
-            self.futile_at = min(len(drafts), self.futile_at or len(drafts))
 
     def admit(self) -> None:
         while self.waiting and (slot := self.pool.take()) is not None:
@@ -232,7 +217,10 @@ class EngineCore:
         return leaving
 
     def propose(self, r: Request, drafting: bool = True) -> Draft:
+        """`drafting`: the draft switch's choice for this step; a sampled request ignores it (its seeded draws
+        depend on its trees, so they must not depend on timing or on the other requests)."""
         t = time.perf_counter()
+        drafting = drafting or not r.cfg.sampling.greedy
         speculate = drafting and r.drafter is not None and r.sched.speculate()
         proposed = r.drafter.propose(r.root, r.sched.shape()) if speculate else DraftTree.root_only(r.root)
         t_score = time.perf_counter()
@@ -254,9 +242,10 @@ class EngineCore:
         return TreeWork(keep, tree, children, seq)
 
     def commit(self, r: Request, d: Draft, work: TreeWork | None, logits: torch.Tensor | None,
-               verify_s: float, hidden: torch.Tensor | None = None) -> None:
-        """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover. `hidden`
-        [len(behind) + N, k*C]: the target's hidden states there, for a drafter that wants them."""
+               verify_s: float, hidden: torch.Tensor | None = None) -> int:
+        """Verify one request's tree against its logits [len(behind) + N, V], commit, stream, recover; returns the
+        tokens committed. `hidden` [len(behind) + N, k*C]: the target's hidden states there, for a drafter that
+        wants them."""
         t = time.perf_counter()
         if d.gated:  # lossy gate mode: the verifier alone accepts; the target runs these tokens in its next pass
             keep, tree = list(range(len(d.proposed))), d.proposed
@@ -283,6 +272,7 @@ class EngineCore:
         r.root = verdict.bonus
         emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
              accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))
+        return len(verdict.accepted) + 1
 
     def prefill(self, joining: list[Request]) -> None:
         """Run the next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all) in one forward;

@@ -149,33 +149,22 @@ def test_a_request_too_long_for_a_slot_is_refused_with_the_fix(tiny):
     assert core.idle
 
 
-def test_futile_allotments_stop_proposals_until_a_probe_takes_a_node(tiny):
-    from spork_trt.core import FUTILE_BATCH, PROBE_EVERY, Draft
-    from spork_trt.scheduler import Candidates
-    from spork_trt.tree import DraftTree
+def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny):
+    """With the switch measuring proposing steps as slower, only its probe steps (every PROBE_EVERY-th) propose;
+    the tokens stay plain greedy decoding's."""
+    from spork_trt.draft_switch import PROBE_EVERY
 
-    core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=5, max_len=96))
-    offer = Draft(DraftTree.root_only(1), None, [], Candidates((1, 2), (0.5, 0.2)), True, 0.0, 0.0)
-    none = Draft(DraftTree.root_only(1), None, [], Candidates((), ()), False, 0.0, 0.0)
-    core.learn_futility([offer] * (FUTILE_BATCH - 1), [0] * (FUTILE_BATCH - 1))
-    assert core.futile_at is None  # a small batch teaches nothing
-    core.learn_futility([none] * FUTILE_BATCH, [0] * FUTILE_BATCH)
-    assert core.futile_at is None  # nothing was offered
-    core.learn_futility([offer] * (FUTILE_BATCH + 1), [0] * (FUTILE_BATCH + 1))
-    assert core.futile_at == FUTILE_BATCH + 1
-    core.learn_futility([offer] * FUTILE_BATCH, [0] * FUTILE_BATCH)
-    assert core.futile_at == FUTILE_BATCH
-    core.learn_futility([offer] * 6, [0, 1, 0, 0, 0, 0])
-    assert core.futile_at is None
-    # with proposals futile from one request up, only probe steps propose; the tokens stay plain greedy's
     want = [generate(engine(tiny, "torch"), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
-    core.futile_at = 1
-    core.learn_futility = lambda drafts, counts: None  # keep it futile
+    core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=5, max_len=96))
+    core.switch.rates = {(k, True): 1.0 for k in range(4)} | {(k, False): 2.0 for k in range(4)}
+    core.switch.record = lambda *a: None  # keep the measurement
     reqs = [request(tiny, "torch", i, "ngram") for i in range(5)]
     calls = []
     for r in reqs:
-        r.drafter.propose = lambda root, spec, f=r.drafter.propose: calls.append(core.steps) or f(root, spec)
+        r.drafter.propose = lambda root, spec, f=r.drafter.propose: calls.append(
+            (core.switch.steps, len(core.active))) or f(root, spec)
     out = run_core(core, reqs)
     assert [out[i].token_ids for i in range(5)] == want
-    assert calls and all(step % PROBE_EVERY == 0 for step in calls)  # probe steps only
+    assert any(n > 1 for _, n in calls)  # probe steps only, or one request left (it always proposes)
+    assert all(step % PROBE_EVERY == 0 or n == 1 for step, n in calls)

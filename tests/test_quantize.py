@@ -87,3 +87,15 @@ def test_quantized_draft_is_lossless(tiny, q):
     got = generate(OnnxEngine(fp32, CFG), [1, 2, 3, 4], cfg, frozenset(), drafter=drafter,
                    spec=SpecConfig(tree_width=2, tree_depth=3, tree_budget=6))
     assert got.token_ids == want
+
+
+def test_calibration_prompts_are_stdlib_functions_never_benchmark_text():
+    from spork_trt.export.calib_data import CALIB_PROMPTS, calibration_prompts
+    from spork_trt.export.selfdata import CODE_PREFIX
+    from spork_trt.prompts import load_prompts
+
+    got = calibration_prompts()
+    assert len(got) == CALIB_PROMPTS and got == calibration_prompts()  # deterministic
+    assert all(p.startswith(CODE_PREFIX + "def ") for p in got)
+    bench = [r["prompt"] for name in ("mt_bench", "humaneval") for r in load_prompts(name)]
+    assert not any(p in b or b in p for p in got for b in bench)

@@ -74,9 +74,9 @@ def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
 
 def calibration_signature() -> str:
     """sha256 of what static quantization calibrates on (the prompts, how many, the window): a change rebuilds."""
-    from .calib_data import CALIB_PER_SET, CALIB_WINDOW, calibration_prompts
+    from .calib_data import CALIB_PROMPTS, CALIB_WINDOW, calibration_prompts
 
-    return hashlib.sha256(json.dumps([CALIB_PER_SET, CALIB_WINDOW, calibration_prompts()]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([CALIB_PROMPTS, CALIB_WINDOW, calibration_prompts()]).encode()).hexdigest()
 
 
 def build(cfg: BuildConfig) -> Path:

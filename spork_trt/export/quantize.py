@@ -5,7 +5,7 @@
   int8-dynamic   quantize_dynamic: per-tensor INT8 weights, activations quantized per tensor at run time
                  (MatMulInteger). (Per-channel weights gave 0.0 top-1 agreement here: wrong axis for MatMul.)
   int8-static    quantize_static, QDQ format, TensorRT style: per-channel symmetric INT8 weights, per-tensor
-                 symmetric INT8 activations with ranges calibrated (MinMax) on real prompts (calib_data.py).
+                 symmetric INT8 activations with ranges calibrated (MinMax) on stdlib prompts (calib_data.py).
   fp8            FP8 E4M3FN Q/DQ, amax-calibrated on the same prompts (fp8.py); opset 19. Intended for TensorRT
                  on Hopper+ GPUs; on CPU ONNX Runtime runs the Q/DQ pairs in float: it measures FP8's agreement,
                  not its speed.

@@ -14,6 +14,7 @@ Both run on one engine core (continuous batching, lossless n-gram speculation: g
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import platform
 import random
@@ -108,6 +109,26 @@ def user_turn_prefix(tok) -> list[int]:
 def stdlib_functions(seed: int, n: int, max_tokens: int, tok) -> list[dict]:
     """`n` function-completion prompts (signature + docstring) from this Python's standard library, chosen with
     `seed` (the first n of one seeded order)."""
+    out = []
+    for f in stdlib_candidates(seed):
+        if len(out) == n:
+            break
+        if len(tok.encode_prompt(f["prompt"])) <= max_tokens:
+            out.append({**f, "source": "stdlib", "kept": True})
+    return out
+
+
+def stdlib_candidates(seed: int) -> list[dict]:
+    """Every public top-level documented function of this Python's standard library as a prompt {"id", "prompt"}
+    (signature + docstring), in one order shuffled with `seed`."""
+    found = list(stdlib_prompts())
+    random.Random(seed).shuffle(found)
+    return found
+
+
+@functools.cache
+def stdlib_prompts() -> tuple[dict, ...]:
+    """stdlib_candidates' prompts in file order (parsing the standard library takes seconds: once)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
     found = []
@@ -126,15 +147,7 @@ def stdlib_functions(seed: int, n: int, max_tokens: int, tok) -> list[dict]:
                 doc = node.body[0]
                 head = "\n".join(lines[node.lineno - 1:doc.end_lineno])
                 found.append({"id": f"stdlib:{path.relative_to(root)}:{node.name}", "prompt": CODE_PREFIX + head})
-    found = list({f["id"]: f for f in found}.values())  # a function defined twice in one module: once
-    random.Random(seed).shuffle(found)
-    out = []
-    for f in found:
-        if len(out) == n:
-            break
-        if len(tok.encode_prompt(f["prompt"])) <= max_tokens:
-            out.append({**f, "source": "stdlib", "kept": True})
-    return out
+    return tuple({f["id"]: f for f in found}.values())  # a function defined twice in one module: once
 
 
 def synthesize(rt, cfg: SelfDataConfig) -> list[dict]:

@@ -1,0 +1,51 @@
+"""Whether a step of the engine core proposes drafts at all: speculation under load, measured.
+
+Proposing costs every request host time (store lookups, the verifier, the scheduler), and at high load the
+allotment (scheduler.allot) may verify few or no nodes, or nodes whose expected gain the forward's cost model
+overrates. So the core measures both: per power-of-two bucket of the batch size, moving averages of committed tokens
+per second of the decode part of steps that proposed and of steps that did not. A step proposes when its bucket's
+proposing steps have been at least as fast (or either is not measured yet) and proposing is not futile; every
+PROBE_EVERY-th step does the opposite, so both rates stay measured as load and text change. Futile: a step of
+FUTILE_BATCH or more requests whose allotment took no node marks that batch size and larger; any node taken clears
+it. A single request (batch 1) always proposes: its own scheduler's recovery decides there. Sampled requests
+ignore the switch (engine core): their seeded draws depend on their trees, which must not depend on timing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cost_model import bucket, ema
+
+FUTILE_BATCH = 4  # smallest batch whose empty allotment marks proposing futile
+PROBE_EVERY = 8  # every this many steps the switch does the opposite of its choice, to measure it
+
+
+@dataclass
+class DraftSwitch:
+    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (batch bucket, proposed) -> tokens/s
+    futile_at: int | None = None  # batch size from which proposing is futile
+    steps: int = 0
+
+    def propose(self, batch: int) -> bool:
+        """Whether this step of `batch` decoding requests proposes drafts."""
+        self.steps += 1
+        if batch < 2:
+            return True
+        k = bucket(batch)
+        drafting, plain = self.rates.get((k, True)), self.rates.get((k, False))
+        choice = (self.futile_at is None or batch < self.futile_at) and (
+            drafting is None or plain is None or drafting >= plain)
+        return choice != (self.steps % PROBE_EVERY == 0)
+
+    def record(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
+        """A decode step's committed tokens and seconds (proposals, forward, verification, commits)."""
+        if batch >= 2 and seconds > 0:
+            key = (bucket(batch), proposed)
+            self.rates[key] = ema(self.rates.get(key), tokens / seconds)
+
+    def allotted(self, offered: list[int]) -> None:
+        """The allotment's node counts for the requests that offered nodes this step."""
+        if any(offered):
+            self.futile_at = None
+        elif len(offered) >= FUTILE_BATCH:
+            self.futile_at = min(len(offered), self.futile_at or len(offered))
