@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
   python -m bench costs --drafts self-int8 self-int4      # + each draft's cost and the speedup ceiling it sets
   python -m bench costs --engines engines/head --drafts eagle   # one step of the learned draft head
+  python -m bench costs --nodes 1 --batch 4,16,32         # + batched forwards of B sequences (continuous batching)
   python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
   python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
@@ -72,6 +73,11 @@ def main(argv=None) -> int:
     co.add_argument("--prefill-chunk", type=int, default=128,
                     help="prompt tokens of the prefill forward timed with logits at every row and at the last only "
                          "(default: %(default)s, the engine core's chunk)")
+    co.add_argument("--batch", default="", metavar="B,B,...",
+                    help="also time one batched forward (the engine core's) of B sequences x --batch-tokens new "
+                         "tokens each, contexts --context - 16 b, e.g. 4,16,32 (default: none)")
+    co.add_argument("--batch-tokens", default="1,4", metavar="T,T,...",
+                    help="new tokens per sequence of the batched forwards (default: %(default)s)")
     co.add_argument("--drafts", nargs="*", default=[], metavar="DRAFT",
                     help="model drafts to time too (self-int8, self-int4, early-exit:N, eagle, ...), each with the "
                          "ceiling its cost puts on speculation")

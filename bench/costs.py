@@ -6,7 +6,10 @@ this machine.
 The ceiling: a chain of depth M drafted one token per draft forward and verified in one target forward of M + 1
 nodes commits at most M + 1 tokens, so no acceptance rate takes a drafter past
     (M + 1) * target(1) / (M * draft(1) + target(M + 1))   tokens per plain step,
-which tends to target(1) / draft(1) as M grows (a tree only adds nodes to the same forwards)."""
+which tends to target(1) / draft(1) as M grows (a tree only adds nodes to the same forwards).
+
+`--batch`: one batched forward of the engine core (`forward_batch`) over B sequences of T new tokens each, each in
+its own pool slot after its own context, as a step of B decoding requests runs it."""
 from __future__ import annotations
 
 import json
@@ -16,7 +19,7 @@ import time
 import torch
 
 from spork_trt.config import SamplingConfig
-from spork_trt.engines import prefill
+from spork_trt.engines import SeqInput, chain_input, prefill
 from spork_trt.runtime import Runtime
 from spork_trt.tree import chain_parents, compile_tree
 
@@ -66,6 +69,25 @@ def head_ms(rt: Runtime, context: list[int], repeats: int) -> float:
         return median_ms(once, repeats)
 
 
+def batch_ms(engine, batch: int, tokens: int, context: int, repeats: int) -> float:
+    """Median ms of one forward_batch of `batch` sequences x `tokens` chained new tokens; sequence b has
+    context - 16 b committed rows (at least 16) in its own slot; the new rows are dropped after each repeat."""
+    ctx = [max(16, context - 16 * b) for b in range(batch)]
+    pool = engine.make_pool(batch, max(ctx) + tokens + 1)
+    for c, n in zip(pool.caches, ctx):
+        engine.forward_batch([chain_input(c, [100 + i % 1000 for i in range(n)], (n - 1,))])
+        c.commit()
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+
+    def once():
+        engine.forward_batch([SeqInput(c, tuple(range(500, 500 + tokens)), tuple(range(n, n + tokens)), causal, ())
+                              for c, n in zip(pool.caches, ctx)])
+        for c in pool.caches:
+            c.commit([])
+
+    return median_ms(once, repeats)
+
+
 def ceiling(target_ms: dict[int, float], draft_1: float) -> tuple[float, int]:
     """The best (M + 1) * target(1) / (M * draft(1) + target(M + 1)) over the measured chain lengths: (x, M)."""
     return max((round((n * target_ms[1]) / ((n - 1) * draft_1 + target_ms[n]), 2), n - 1)
@@ -98,8 +120,10 @@ def main(a) -> int:
         x, depth = ceiling(t_ms, d1)
         drafts.append({"draft": name, "draft_ms": d1, "limit": round(t_ms[1] / d1, 2), "ceiling": x,
                        "ceiling_depth": depth})
+    batches = [{"batch": b, "tokens": t, "ms": batch_ms(target, b, t, a.context, a.repeats)}
+               for b in (int(x) for x in a.batch.split(",") if x) for t in (int(x) for x in a.batch_tokens.split(","))]
     out = {"context": a.context, "verifier_layers": rt.verifier_layers, "rows": rows, "prefill": prefill_rows,
-           "drafts": drafts}
+           "drafts": drafts, "batches": batches}
     if a.json:
         print(json.dumps(out))
         return 0
@@ -109,6 +133,10 @@ def main(a) -> int:
     p = prefill_rows
     print(f"\nprefill chunk of {p['tokens']} tokens: {p['all_rows_ms']:.1f} ms with logits at every row, "
           f"{p['last_row_ms']:.1f} ms at the last row only (what the engine core asks for)")
+    if batches:
+        print("\n| sequences | new tokens each | batched forward ms | ms per sequence |\n| ---: | ---: | ---: | ---: |")
+        for r in batches:
+            print(f"| {r['batch']} | {r['tokens']} | {r['ms']:.1f} | {r['ms'] / r['batch']:.2f} |")
     if drafts:
         print("\n| draft | one forward ms | target(1) / draft(1) | best speedup at 100% acceptance (depth) |\n"
               "| --- | ---: | ---: | ---: |")

@@ -28,6 +28,7 @@ def test_build_writes_manifest_and_is_idempotent(default_engines):
                  "store_tokens.npy", "store_sa.npy"):
         assert name in m["artifacts"] and len(m["artifacts"][name]["sha256"]) == 64
     assert len(m["source"]["sha256"]) == 64 and "onnxruntime" in m["tools"]
+    assert m["build_inputs"]["attention"] == "gqa"  # ONNX Runtime CPU: GroupQueryAttention graphs
     again = run("export", "build", "--out", str(default_engines))
     assert again.returncode == 0 and "up to date" in again.stderr
     shown = run("export", "inspect", str(default_engines), "--verify")
@@ -42,6 +43,14 @@ def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_chec
     with torch.no_grad():
         want = default_checkpoint.model(torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64)).logits
     assert (got - want).abs().max() <= 1e-3
+
+
+def test_bench_costs_times_batched_forwards(default_engines):
+    r = run("bench", "costs", "--engines", str(default_engines), "--nodes", "1,2", "--repeats", "1", "--context", "40",
+            "--prefill-chunk", "8", "--batch", "3", "--batch-tokens", "1,2", "--json")
+    assert r.returncode == 0, r.stderr
+    batches = json.loads(r.stdout)["batches"]
+    assert [(b["batch"], b["tokens"]) for b in batches] == [(3, 1), (3, 2)] and all(b["ms"] > 0 for b in batches)
 
 
 def test_generate_uses_built_engines(default_engines):
