@@ -110,3 +110,8 @@ def test_build_with_a_draft_head_drafts_with_it(default_engines, default_checkpo
         got = [json.loads(run("spork_trt", "generate", prompt, "--engines", str(out), "--max-new-tokens", "48",
                               "--json", *mode).stdout) for mode in (["--draft", "eagle"], ["--mode", "plain"])]
         assert got[0]["token_ids"] == got[1]["token_ids"] and got[0]["stats"]["draft_tokens"] > 0
+    # `export calibrate --draft eagle` collects the head's trees with the verifier scoring them; this untrained
+    # head gets none accepted, which fitting refuses in one line (a trained one fits: README)
+    cal = run("export", "calibrate", "--engines", str(out), "--draft", "eagle", "--limit", "1", "--max-new-tokens", "16")
+    assert cal.returncode == 2 and "labelled nodes" in cal.stderr, cal.stderr
+    assert "needs both accepted and rejected nodes" in cal.stderr.splitlines()[-1]
