@@ -248,7 +248,8 @@ def inspect(a) -> int:
     print(f"{d}: {spec['family']} {spec['n_layers']} layers, hidden {spec['dim']}, heads {spec['n_heads']}/"
           f"{spec['n_kv_heads']} kv, vocab {spec['vocab_size']}, context {spec['max_seq_len']}")
     print(f"source: {m['source']['path']} ({m['source']['kind']}, sha256 {m['source']['sha256'][:12]})")
-    print(f"backend: {m['backend']}; drafters: {', '.join(m['drafters'])}")
+    attention = m.get("build_inputs", {}).get("attention", "plain")  # builds before lean-3: plain
+    print(f"backend: {m['backend']} ({attention} attention graphs); drafters: {', '.join(m['drafters'])}")
     for role, e in m["engines"].items():
         size = mf.weights(m, e).get("bytes", 0)
         print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB")

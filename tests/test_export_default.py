@@ -33,6 +33,7 @@ def test_build_writes_manifest_and_is_idempotent(default_engines):
     assert again.returncode == 0 and "up to date" in again.stderr
     shown = run("export", "inspect", str(default_engines), "--verify")
     assert shown.returncode == 0 and "target.onnx" in shown.stdout and "match their sha256" in shown.stdout
+    assert "backend: onnx (gqa attention graphs)" in shown.stdout
 
 
 def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_checkpoint, default_tokenizer):
