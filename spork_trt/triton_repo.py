@@ -130,7 +130,12 @@ def render(cfg: RepoConfig) -> Path:
         raise UserError("--instances must be in 1..64, --slots in 1..256 and --unary-instances in 1..64")
     if cfg.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got {cfg.max_queue}")
-    window = mf.spec_config(mf.read(cfg.engines)["model"]).max_seq_len  # a clear error if this is not a build
+    manifest = mf.read(cfg.engines)  # a clear error if this is not a build
+    window = mf.spec_config(manifest["model"]).max_seq_len
+    if cfg.profile == "gpu" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:
+        print(f"warning: {cfg.engines} has GroupQueryAttention graphs, whose attention ONNX Runtime's GPU providers "
+              "run on the CPU (its CUDA kernels are fp16/bf16 only): for --profile gpu build with "
+              "`python -m export build --attention plain`", file=sys.stderr)
     if not 0 <= cfg.max_context <= window:
         raise UserError(f"--max-context must be in 1..{window} (the model's context window; 0 means all of it)")
     max_len = (cfg.max_context or window) + tree_room(cfg.draft)

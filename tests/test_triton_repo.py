@@ -23,9 +23,11 @@ def same(io, t: io_spec.TritonTensor) -> bool:
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
-def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile):
+def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, capsys):
     repo = render(RepoConfig(default_engines, tmp_path / "repo", profile, instances=2, slots=4, max_context=1024,
                              unary_instances=3))
+    # the default build's GroupQueryAttention graphs: the gpu profile says to build plain attention graphs for it
+    assert ("--attention plain" in capsys.readouterr().err) == (profile == "gpu")
     steps = {s.name: s for s in io_spec.TRITON_STEPS}
     for name, spork in io_spec.ENTRY_POINTS.items():
         for model in ("preprocessing", spork, "postprocessing"):
