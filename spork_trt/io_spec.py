@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import ModelConfig
 
 # symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T)
@@ -36,6 +38,19 @@ def kv_names(n_layers: int, attention: str = PLAIN) -> list[tuple[str, str, str,
     (present_key_i, bound to the same memory as past_key_i)."""
     out = "present" if attention == GQA else "new"
     return [(f"past_key_{i}", f"past_value_{i}", f"{out}_key_{i}", f"{out}_value_{i}") for i in range(n_layers)]
+
+
+def attention_of(input_names) -> str:
+    """The attention layout of a graph with these input names."""
+    return GQA if "seqlens_k" in set(input_names) else PLAIN
+
+
+def gqa_lengths(new: list[int], context: list[int], total: int) -> dict:
+    """The GQA graph's length inputs: per sequence its new tokens n_b and context + n_b - 1; S = `total` (>= every
+    context + n_b: the mask's width)."""
+    n = np.asarray(new, np.int32)  # [B]
+    return {"query_seqlens": n, "seqlens_k": np.asarray(context, np.int32) + n - 1,
+            "total_sequence_length": np.array(total, np.int32)}
 
 
 def kv_dims(cfg: ModelConfig, attention: str, past: bool) -> tuple[str | int, ...]:

@@ -61,8 +61,7 @@ class OnnxEngine(CachedEngine):
                                 "or use the cpu profile")
         self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers),
                                                        provider_options=provider_options(providers, path))
-        inputs = {i.name for i in self.session.get_inputs()}
-        self.attention = io_spec.GQA if "seqlens_k" in inputs else io_spec.PLAIN
+        self.attention = io_spec.attention_of(i.name for i in self.session.get_inputs())
         self.names = io_spec.kv_names(self.n_layers, self.attention)
         self.taps = tuple(taps)  # the graph's io_spec.HIDDEN output: hidden states after these layers
         outs = {o.name for o in self.session.get_outputs()}
@@ -134,10 +133,7 @@ class OnnxEngine(CachedEngine):
         (b, t), ctx, width = batch.input_ids.shape, batch.context, batch.mask.shape[-1]
         # the op wants room for every sequence's padded chunk after its context: Pcap >= max(context) + T
         past = stage.past([s.cache for s in seqs], need=max(ctx) + t)  # [K|V, L, Bcap, Hkv, Pcap, D]
-        n = np.array([len(s.tokens) for s in seqs], np.int32)  # [B]
-        lens = {"query_seqlens": n, "seqlens_k": np.asarray(ctx, np.int32) + n - 1,
-                "total_sequence_length": np.array(width, np.int32)}
-        io, logits, feats = self._bind_batch(batch, lens)
+        io, logits, feats = self._bind_batch(batch, io_spec.gqa_lengths([len(s.tokens) for s in seqs], ctx, width))
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
                 bind(io, pname, past[j, layer, :b])  # [B, Hkv, Pcap, D], appended in place
@@ -212,8 +208,7 @@ class OnnxEngine(CachedEngine):
                  "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
                  "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_), "logit_rows": at}
         if self.gqa:
-            feeds |= {"query_seqlens": np.array([t], np.int32), "seqlens_k": np.array([past + t - 1], np.int32),
-                      "total_sequence_length": np.array(past + t, np.int32)}
+            feeds |= io_spec.gqa_lengths([t], [past], past + t)
         for name, arr in feeds.items():
             bind(io, name, arr)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):

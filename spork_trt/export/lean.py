@@ -90,7 +90,7 @@ class GroupQueryAttention(torch.autograd.Function):
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, query_seqlens, seqlens_k, total, bias, heads, kv_heads):
         # inputs 7-9 (cos_cache, sin_cache, position_ids) and 11-15 stay empty: onnx_graph.export_onnx writes the
-        # empty slots after the export (io_spec.GQA_SLOTS)
+        # empty slots after the export (GQA_SLOTS)
         outs = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k, total, bias,
                     query_seqlens, num_heads_i=heads, kv_num_heads_i=kv_heads, causal_i=1, outputs=3)
         for out, like in zip(outs, (q, past_k, past_v)):  # the exporter infers no shapes for a custom op
@@ -110,13 +110,18 @@ class LeanAttention(nn.Module):
         self.wo = ref.wo
         self.register_buffer("rot", rotate_half_matrix(head_dim), persistent=False)  # [D, D]
 
-    def forward(self, x, cos, sin, bias, past_k, past_v):
-        # x [B, T, C]; cos, sin [B, T, 1, D]; bias [B, 1, G*T, S]; past_k, past_v [B, P, Hkv, D]
+    def qkv(self, x, cos, sin):
+        """x [B, T, C]; cos, sin [B, T, 1, D] -> q [B, T, H, D], k, v [B, T, Hkv, D] (q and k rotated)."""
         h, hkv, d = self.h, self.hkv, self.d
         y = reshape(self.wqkv(x), 0, -1, h + 2 * hkv, d)  # [B, T, H + 2 Hkv, D]
         qk, v = y[:, :, :h + hkv], y[:, :, h + hkv:]  # [B, T, H + Hkv, D], [B, T, Hkv, D]
         qk = qk * cos + (qk @ self.rot) * sin
-        q, k = qk[:, :, :h], qk[:, :, h:]  # [B, T, H, D], [B, T, Hkv, D]
+        return qk[:, :, :h], qk[:, :, h:], v
+
+    def forward(self, x, cos, sin, bias, past_k, past_v):
+        # x [B, T, C]; cos, sin [B, T, 1, D]; bias [B, 1, G*T, S]; past_k, past_v [B, P, Hkv, D]
+        h, hkv, d = self.h, self.hkv, self.d
+        q, k, v = self.qkv(x, cos, sin)  # [B, T, H, D], [B, T, Hkv, D] x2
         keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # [B, S, Hkv, D]
         q = reshape(q.transpose(1, 2), 0, hkv, -1, d)  # [B, Hkv, G*T, D]: query head h uses kv head h // G
         scores = q @ keys.permute(0, 2, 3, 1) / math.sqrt(d)  # [B, Hkv, G*T, S]
@@ -127,12 +132,9 @@ class LeanAttention(nn.Module):
     def forward_gqa(self, x, cos, sin, bias, past_k, past_v, lens):
         # x [B, T, C]; cos, sin [B, T, 1, D]; bias [B, 1, T, S]; past_k, past_v [B, Hkv, M, D] (bound in place);
         # lens: query_seqlens [B], seqlens_k [B], total ()
-        h, hkv, d = self.h, self.hkv, self.d
-        y = reshape(self.wqkv(x), 0, -1, h + 2 * hkv, d)  # [B, T, H + 2 Hkv, D]
-        qk, v = y[:, :, :h + hkv], y[:, :, h + hkv:]
-        qk = qk * cos + (qk @ self.rot) * sin
-        q, k = reshape(qk[:, :, :h], 0, 0, h * d), reshape(qk[:, :, h:], 0, 0, hkv * d)  # [B, T, H*D], [B, T, Hkv*D]
-        out, pk, pv = GroupQueryAttention.apply(q, k, reshape(v, 0, 0, hkv * d), past_k, past_v, *lens, bias, h, hkv)
+        h, hkv = self.h, self.hkv
+        q, k, v = (reshape(t, 0, 0, -1) for t in self.qkv(x, cos, sin))  # [B, T, H*D], [B, T, Hkv*D] x2
+        out, pk, pv = GroupQueryAttention.apply(q, k, v, past_k, past_v, *lens, bias, h, hkv)
         return self.wo(out), pk, pv  # [B, T, C], present [B, Hkv, M, D] x2
 
 

@@ -22,8 +22,7 @@ def example_inputs(model: Transformer, n_layers: int, attention: str, past: int 
     mask = torch.ones(1, new, past + new, dtype=torch.bool)
     rows = torch.arange(new)  # [R]
     if attention == io_spec.GQA:
-        lens = (torch.tensor([new], dtype=torch.int32), torch.tensor([past + new - 1], dtype=torch.int32),
-                torch.tensor(past + new, dtype=torch.int32))
+        lens = [torch.from_numpy(a) for a in io_spec.gqa_lengths([new], [past], past + new).values()]
         kv = [torch.zeros(1, cfg.n_kv_heads, past + new + 1, cfg.head_dim) for _ in range(2 * n_layers)]
         return (ids, pos, mask, rows, *lens, *kv)
     kv = [torch.zeros(1, past, cfg.n_kv_heads, cfg.head_dim) for _ in range(2 * n_layers)]
@@ -77,8 +76,7 @@ def attention_of(path: Path) -> str:
     """The attention layout (io_spec.GQA or PLAIN) of an exported graph, read from its inputs."""
     import onnx
 
-    names = {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}
-    return io_spec.GQA if "seqlens_k" in names else io_spec.PLAIN
+    return io_spec.attention_of(i.name for i in onnx.load(str(path), load_external_data=False).graph.input)
 
 
 def declare_shapes(graph, ins: list[io_spec.TensorSpec], outs: list[io_spec.TensorSpec]) -> None:
