@@ -133,7 +133,8 @@ class OnnxEngine(CachedEngine):
         (b, t), ctx, width = batch.input_ids.shape, batch.context, batch.mask.shape[-1]
         # the op wants room for every sequence's padded chunk after its context: Pcap >= max(context) + T
         past = stage.past([s.cache for s in seqs], need=max(ctx) + t)  # [K|V, L, Bcap, Hkv, Pcap, D]
-        io, logits, feats = self._bind_batch(batch, io_spec.gqa_lengths([len(s.tokens) for s in seqs], ctx, width))
+        lens = io_spec.gqa_lengths([len(s.tokens) for s in seqs], ctx, width)  # bound by address: alive until run
+        io, logits, feats = self._bind_batch(batch, lens)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
                 bind(io, pname, past[j, layer, :b])  # [B, Hkv, Pcap, D], appended in place
@@ -147,7 +148,8 @@ class OnnxEngine(CachedEngine):
 
     def _bind_batch(self, batch: Padded, lens: dict[str, np.ndarray]):
         """An IO binding with a batch's token inputs (and GQA's lengths) bound; its logits [R, V] and hidden
-        [B, T, k*C] (or None) outputs bound to scratch buffers."""
+        [B, T, k*C] (or None) outputs bound to scratch buffers.
+        Binding is by address: the caller keeps `batch` and `lens` alive until the run."""
         b, t = batch.input_ids.shape
         io = self.session.io_binding()
         feeds = {"input_ids": batch.input_ids.numpy(), "position_ids": batch.position_ids.numpy(),
