@@ -26,6 +26,15 @@ EXAMPLES = """examples:
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
 
 
+def token_specs(text: str) -> list[str]:
+    """--batch-tokens: comma-separated T (new tokens each) or A:T (A for the first sequence, T for the others)."""
+    specs = [x for x in text.split(",") if x]
+    if not specs or not all(all(p.isdigit() and int(p) > 0 for p in x.split(":")) and x.count(":") <= 1
+                            for x in specs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected entries T or A:T (positive integers), e.g. 1,4,16:1")
+    return specs
+
+
 def add_common(p) -> None:
     p.add_argument("--prompts", default="mt_bench", help="mt_bench | humaneval | PATH.jsonl (comma list for run)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
@@ -76,8 +85,9 @@ def main(argv=None) -> int:
     co.add_argument("--batch", default="", metavar="B,B,...",
                     help="also time one batched forward (the engine core's) of B sequences x --batch-tokens new "
                          "tokens each, contexts --context - 16 b, e.g. 4,16,32 (default: none)")
-    co.add_argument("--batch-tokens", default="1,4", metavar="T,T,...",
-                    help="new tokens per sequence of the batched forwards (default: %(default)s)")
+    co.add_argument("--batch-tokens", default="1,4", metavar="T,T,...", type=token_specs,
+                    help="new tokens per sequence of the batched forwards; A:T gives the first sequence A and the "
+                         "others T, e.g. 1,4,16:1 (default: %(default)s)")
     co.add_argument("--drafts", nargs="*", default=[], metavar="DRAFT",
                     help="model drafts to time too (self-int8, self-int4, early-exit:N, eagle, ...), each with the "
                          "ceiling its cost puts on speculation")

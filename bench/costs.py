@@ -9,7 +9,9 @@ nodes commits at most M + 1 tokens, so no acceptance rate takes a drafter past
 which tends to target(1) / draft(1) as M grows (a tree only adds nodes to the same forwards).
 
 `--batch`: one batched forward of the engine core (`forward_batch`) over B sequences of T new tokens each, each in
-its own pool slot after its own context, as a step of B decoding requests runs it."""
+its own pool slot after its own context, as a step of B decoding requests runs it; a `--batch-tokens` entry A:T
+gives the first sequence A new tokens and the others T (one request's tree among plain steps: a padded batch
+costs B x A tokens, a packed one A + (B - 1) T)."""
 from __future__ import annotations
 
 import json
@@ -69,19 +71,25 @@ def head_ms(rt: Runtime, context: list[int], repeats: int) -> float:
         return median_ms(once, repeats)
 
 
-def batch_ms(engine, batch: int, tokens: int, context: int, repeats: int) -> float:
-    """Median ms of one forward_batch of `batch` sequences x `tokens` chained new tokens; sequence b has
+def batch_tokens(spec: str, batch: int) -> list[int]:
+    """A --batch-tokens entry for `batch` sequences: "T" (T each) or "A:T" (A for the first, T for the others)."""
+    first, _, rest = spec.rpartition(":")
+    return [int(first or rest)] + [int(rest)] * (batch - 1)
+
+
+def batch_ms(engine, tokens: list[int], context: int, repeats: int) -> float:
+    """Median ms of one forward_batch of len(tokens) sequences, sequence b with tokens[b] chained new tokens after
     context - 16 b committed rows (at least 16) in its own slot; the new rows are dropped after each repeat."""
-    ctx = [max(16, context - 16 * b) for b in range(batch)]
-    pool = engine.make_pool(batch, max(ctx) + tokens + 1)
+    ctx = [max(16, context - 16 * b) for b in range(len(tokens))]
+    pool = engine.make_pool(len(tokens), max(ctx) + max(tokens) + 1)
     for c, n in zip(pool.caches, ctx):
         engine.forward_batch([chain_input(c, [100 + i % 1000 for i in range(n)], (n - 1,))])
         c.commit()
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
 
     def once():
-        engine.forward_batch([SeqInput(c, tuple(range(500, 500 + tokens)), tuple(range(n, n + tokens)), causal, ())
-                              for c, n in zip(pool.caches, ctx)])
+        engine.forward_batch([SeqInput(c, tuple(range(500, 500 + t)), tuple(range(n, n + t)),
+                                       torch.ones(t, t, dtype=torch.bool).tril(), ())
+                              for c, n, t in zip(pool.caches, ctx, tokens)])
         for c in pool.caches:
             c.commit([])
 
@@ -120,8 +128,8 @@ def main(a) -> int:
         x, depth = ceiling(t_ms, d1)
         drafts.append({"draft": name, "draft_ms": d1, "limit": round(t_ms[1] / d1, 2), "ceiling": x,
                        "ceiling_depth": depth})
-    batches = [{"batch": b, "tokens": t, "ms": batch_ms(target, b, t, a.context, a.repeats)}
-               for b in (int(x) for x in a.batch.split(",") if x) for t in (int(x) for x in a.batch_tokens.split(","))]
+    batches = [{"batch": b, "tokens": t, "ms": batch_ms(target, batch_tokens(t, b), a.context, a.repeats)}
+               for b in (int(x) for x in a.batch.split(",") if x) for t in a.batch_tokens]
     out = {"context": a.context, "verifier_layers": rt.verifier_layers, "rows": rows, "prefill": prefill_rows,
            "drafts": drafts, "batches": batches}
     if a.json:
@@ -136,7 +144,8 @@ def main(a) -> int:
     if batches:
         print("\n| sequences | new tokens each | batched forward ms | ms per sequence |\n| ---: | ---: | ---: | ---: |")
         for r in batches:
-            print(f"| {r['batch']} | {r['tokens']} | {r['ms']:.1f} | {r['ms'] / r['batch']:.2f} |")
+            each = r["tokens"].replace(":", " (first), ") + (" (others)" if ":" in r["tokens"] else "")
+            print(f"| {r['batch']} | {each} | {r['ms']:.1f} | {r['ms'] / r['batch']:.2f} |")
     if drafts:
         print("\n| draft | one forward ms | target(1) / draft(1) | best speedup at 100% acceptance (depth) |\n"
               "| --- | ---: | ---: | ---: |")

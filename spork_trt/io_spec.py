@@ -5,7 +5,11 @@ Two attention layouts (`attention`), chosen at export:
 - GQA (ONNX Runtime CPU, the default): every layer's attention is ONE com.microsoft GroupQueryAttention op over a
   KV buffer [batch, kv_heads, capacity, head_dim] (BNSH) bound as both past_key_i and present_key_i, so the op
   appends the new rows in place at each sequence's own context length (seqlens_k, query_seqlens) and reads only
-  each sequence's own rows; the mask's columns are absolute positions [0, S), S = total_sequence_length.
+  each sequence's own rows; the mask's columns are absolute positions [0, S), S = total_sequence_length. The
+  batch's tokens are packed: input_ids, position_ids [1, N] hold every sequence's new tokens one after another
+  (N = their sum), the projections, the MLP and the LM head run on those N rows, and only the op sees them padded
+  to [B, T] (gathered by `padded_rows`, gathered back by `packed_rows`): a batch costs its total tokens, not B
+  times its longest tree.
 - PLAIN (TensorRT, and ONNX Runtime's GPU providers, whose GQA kernels are fp16/bf16 only): standard ONNX ops; the
   past is [batch, positions, kv_heads, head_dim] (for batch 1 the first P rows of a preallocated cache are one
   contiguous block, bound without a copy), new rows come out as new_key_i [batch, new, kv_heads, head_dim] and the
@@ -19,8 +23,10 @@ import numpy as np
 
 from .config import ModelConfig
 
-# symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T)
+# symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T;
+# GQA: of the N packed tokens), packed tokens N (GQA: every sequence's new tokens, one after another)
 BATCH, NEW, PAST, TOTAL, ROWS = "batch", "new_tokens", "past_len", "total_len", "logit_rows"
+PACKED = "packed_tokens"
 CAPACITY = "kv_capacity"  # GQA: positions the bound KV buffer holds (>= every sequence's context + new tokens)
 GQA, PLAIN = "gqa", "plain"
 ATTENTIONS = (GQA, PLAIN)
@@ -45,12 +51,18 @@ def attention_of(input_names) -> str:
     return GQA if "seqlens_k" in set(input_names) else PLAIN
 
 
-def gqa_lengths(new: list[int], context: list[int], total: int) -> dict:
-    """The GQA graph's length inputs: per sequence its new tokens n_b and context + n_b - 1; S = `total` (>= every
-    context + n_b: the mask's width)."""
+def gqa_feeds(new: list[int], context: list[int], total: int) -> dict[str, np.ndarray]:
+    """The GQA graph's batch-layout inputs besides the tokens and the mask: per sequence its new tokens n_b and
+    context + n_b - 1; S = `total` (>= every context + n_b: the mask's width); where the packed tokens go in the
+    op's padded [B, T] (T = the most new tokens; a padding slot repeats its sequence's first token) and back."""
     n = np.asarray(new, np.int32)  # [B]
+    start = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)  # [B] first packed row of each sequence
+    t = np.arange(int(n.max()))  # [T]
+    real = t[None] < n[:, None]  # [B, T]
     return {"query_seqlens": n, "seqlens_k": np.asarray(context, np.int32) + n - 1,
-            "total_sequence_length": np.array(total, np.int32)}
+            "total_sequence_length": np.array(total, np.int32),
+            "padded_rows": np.where(real, start[:, None] + t[None], start[:, None]),  # [B, T] int64
+            "packed_rows": np.nonzero(real.reshape(-1))[0].astype(np.int64)}  # [N] flat b * T + t
 
 
 def kv_dims(cfg: ModelConfig, attention: str, past: bool) -> tuple[str | int, ...]:
@@ -61,15 +73,18 @@ def kv_dims(cfg: ModelConfig, attention: str, past: bool) -> tuple[str | int, ..
 
 def inputs(cfg: ModelConfig, n_layers: int, attention: str = PLAIN) -> list[TensorSpec]:
     assert attention in ATTENTIONS, attention
-    out = [TensorSpec("input_ids", "int64", (BATCH, NEW)), TensorSpec("position_ids", "int64", (BATCH, NEW)),
+    tokens = (1, PACKED) if attention == GQA else (BATCH, NEW)
+    out = [TensorSpec("input_ids", "int64", tokens), TensorSpec("position_ids", "int64", tokens),
            TensorSpec("attention_mask", "bool", (BATCH, NEW, TOTAL)),
-           # the rows whose logits the graph computes, as flat indices b * T + t into the [B, T] new tokens: a
-           # prefill chunk asks for its last row, a padded batch for its real rows only (the LM head is about a
-           # fifth of a row's compute for the default model)
+           # the rows whose logits the graph computes, as flat indices b * T + t into the [B, T] new tokens (GQA:
+           # indices into the N packed tokens): a prefill chunk asks for its last row, a batch for its trees'
+           # rows only (the LM head is about a fifth of a row's compute for the default model)
            TensorSpec("logit_rows", "int64", (ROWS,))]
-    if attention == GQA:  # per sequence: new tokens n_b (rows past it are padding), context + n_b - 1; S
+    if attention == GQA:  # per sequence: new tokens n_b (rows past it are padding), context + n_b - 1; S; the
+        # packed rows at the op's [B, T] slots, and the [B, T] slot of every packed row (gqa_feeds)
         out += [TensorSpec("query_seqlens", "int32", (BATCH,)), TensorSpec("seqlens_k", "int32", (BATCH,)),
-                TensorSpec("total_sequence_length", "int32", ())]
+                TensorSpec("total_sequence_length", "int32", ()), TensorSpec("padded_rows", "int64", (BATCH, NEW)),
+                TensorSpec("packed_rows", "int64", (PACKED,))]
     for pk, pv, _, _ in kv_names(n_layers, attention):
         out += [TensorSpec(pk, "float32", kv_dims(cfg, attention, True)),
                 TensorSpec(pv, "float32", kv_dims(cfg, attention, True))]
@@ -84,11 +99,12 @@ def outputs(cfg: ModelConfig, n_layers: int, taps: tuple[int, ...] = (), attenti
     for _, _, nk, nv in kv_names(n_layers, attention):
         out += [TensorSpec(nk, "float32", kv), TensorSpec(nv, "float32", kv)]
     if taps:
-        out.append(TensorSpec(HIDDEN, "float32", (BATCH, NEW, len(taps) * cfg.dim)))
+        out.append(TensorSpec(HIDDEN, "float32", ((1, PACKED) if attention == GQA else (BATCH, NEW))
+                              + (len(taps) * cfg.dim,)))
     return out
 
 
-HIDDEN = "hidden"  # [B, T, k*C]: the hidden states after each of the k tapped layers, concatenated
+HIDDEN = "hidden"  # [B, T, k*C] (GQA: [1, N, k*C]): the hidden states after each of the k tapped layers
 
 
 def dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:

@@ -48,10 +48,12 @@ def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_chec
 
 def test_bench_costs_times_batched_forwards(default_engines):
     r = run("bench", "costs", "--engines", str(default_engines), "--nodes", "1,2", "--repeats", "1", "--context", "40",
-            "--prefill-chunk", "8", "--batch", "3", "--batch-tokens", "1,2", "--json")
+            "--prefill-chunk", "8", "--batch", "3", "--batch-tokens", "1,3:1", "--json")
     assert r.returncode == 0, r.stderr
     batches = json.loads(r.stdout)["batches"]
-    assert [(b["batch"], b["tokens"]) for b in batches] == [(3, 1), (3, 2)] and all(b["ms"] > 0 for b in batches)
+    assert [(b["batch"], b["tokens"]) for b in batches] == [(3, "1"), (3, "3:1")] and all(b["ms"] > 0 for b in batches)
+    bad = run("bench", "costs", "--engines", str(default_engines), "--batch", "3", "--batch-tokens", "4:x")
+    assert bad.returncode == 2 and "expected entries T or A:T" in bad.stderr
 
 
 def test_generate_uses_built_engines(default_engines):

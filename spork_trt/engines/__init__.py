@@ -7,7 +7,8 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
                                                    ancestor mask; appends n_b pending rows to each cache and
                                                    returns logits at the rows it asks for (`logit_rows`; all by
                                                    default). One forward for all of them (the engine pads to
-                                                   [B, T]; the LM head runs at the asked-for rows only).
+                                                   [B, T], or packs the tokens: `padded_batches`; the LM head
+                                                   runs at the asked-for rows only).
   forward_batch(seqs, hidden=[])                   also appends each sequence's hidden states [n_b, k*C] after
                                                    the engine's `taps` layers (the learned draft head's features;
                                                    only engines with taps, a target built with a head)
@@ -24,6 +25,7 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -63,41 +65,56 @@ class Padded:
     are past rows [0, P) (P >= every context; a sequence sees only its own), then the T new ones; a padding row
     attends to itself only. `absolute` (the GQA graph, which appends each sequence's rows at its own context): the
     columns are absolute positions [0, S), S = the longest context + new tokens; a padding row attends to
-    position 0 (its output is unused)."""
+    position 0 (its output is unused). `packed` (the GQA graph): the tokens are not padded but packed, input_ids
+    and position_ids [1, N] (N = every sequence's new tokens, one after another); only the mask is [B, T, S]."""
 
-    input_ids: torch.Tensor  # [B, T]
-    position_ids: torch.Tensor  # [B, T]
+    input_ids: torch.Tensor  # [B, T] (packed: [1, N])
+    position_ids: torch.Tensor  # [B, T] (packed: [1, N])
     mask: torch.Tensor  # [B, T, P + T] bool (absolute: [B, T, S])
     context: list[int]  # [B] rows each sequence's cache holds
-    logit_rows: torch.Tensor  # [R] flat indices b * T + t of every sequence's asked-for rows (at least one: row 0
-    # stands in when none is asked for, so no engine sees an empty tensor)
+    logit_rows: torch.Tensor  # [R] flat indices b * T + t (packed: into [N]) of every sequence's asked-for rows (at
+    # least one: row 0 stands in when none is asked for, so no engine sees an empty tensor)
     counts: list[int]  # [B] asked-for rows per sequence: logits [R, V] split by these
+    starts: list[int] | None = None  # packed: [B] each sequence's first row of the N
 
     def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """logits [R, V] -> each sequence's [r_b, V]."""
         return list(torch.split(logits[:sum(self.counts)], self.counts))
 
+    def rows(self, i: int, n: int) -> tuple:
+        """Index of sequence i's n new tokens in a [B, T, ...] (packed: [1, N, ...]) output."""
+        return (0, slice(self.starts[i], self.starts[i] + n)) if self.starts is not None else (i, slice(0, n))
+
     @classmethod
-    def of(cls, seqs: list[SeqInput], past: int | None = None, absolute: bool = False) -> Padded:
+    def of(cls, seqs: list[SeqInput], past: int | None = None, absolute: bool = False,
+           packed: bool = False) -> Padded:
         """`past`: P (default: the longest context)."""
         ctx = [s.context for s in seqs]
         for c, s in zip(ctx, seqs):
             if c + len(s.tokens) > s.cache.max_len:
                 raise ValueError(f"KV cache full: {c + len(s.tokens)} positions needed, {s.cache.max_len} allocated")
         b, t, p = len(seqs), max(len(s.tokens) for s in seqs), max(ctx) if past is None else past
-        ids, pos = torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
         width = max(c + len(s.tokens) for c, s in zip(ctx, seqs)) if absolute else p + t
         mask = torch.zeros(b, t, width, dtype=torch.bool)
         if not absolute:
             mask[:, torch.arange(t), p + torch.arange(t)] = True
         for i, s in enumerate(seqs):
             n, at = len(s.tokens), ctx[i] if absolute else p  # at: the column of the first new token
-            ids[i, :n], pos[i, :n] = torch.tensor(s.tokens), torch.tensor(s.positions)
             mask[i, :n, :ctx[i]] = True
             mask[i, :n, at:at + n] = s.ancestors
             mask[i, n:, 0] |= absolute
-        flat = [i * t + r for i, s in enumerate(seqs) for r in s.rows]
-        return cls(ids, pos, mask, ctx, torch.tensor(flat or [0], dtype=torch.long), [len(s.rows) for s in seqs])
+        if packed:
+            starts = [0, *itertools.accumulate(len(s.tokens) for s in seqs)][:-1]
+            ids = torch.tensor([[x for s in seqs for x in s.tokens]], dtype=torch.long)  # [1, N]
+            pos = torch.tensor([[x for s in seqs for x in s.positions]], dtype=torch.long)
+            flat = [starts[i] + r for i, s in enumerate(seqs) for r in s.rows]
+        else:
+            starts, ids, pos = None, torch.zeros(b, t, dtype=torch.long), torch.zeros(b, t, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, :len(s.tokens)], pos[i, :len(s.tokens)] = torch.tensor(s.tokens), torch.tensor(s.positions)
+            flat = [i * t + r for i, s in enumerate(seqs) for r in s.rows]
+        return cls(ids, pos, mask, ctx, torch.tensor(flat or [0], dtype=torch.long), [len(s.rows) for s in seqs],
+                   starts)
 
 
 def chain_input(cache: Rows, ids: list[int], logit_rows: tuple[int, ...] | None = None) -> SeqInput:

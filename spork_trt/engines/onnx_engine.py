@@ -1,8 +1,8 @@
 """ONNX Runtime engine: same interface as the torch engine, KV cache in preallocated numpy buffers bound with IO
 binding, in the graph's attention layout (io_spec):
 - GQA (the default CPU graph): caches [L, 1, Hkv, Smax, D]; one sequence binds each layer's whole buffer as both
-  past and present and the GroupQueryAttention op appends the new rows in place; a batch binds a BNSH Staging
-  the same way and copies each sequence's new rows to its cache after the forward.
+  past and present and the GroupQueryAttention op appends the new rows in place; a batch (its tokens packed)
+  binds a BNSH Staging the same way and copies each sequence's new rows to its cache after the forward.
 - PLAIN: caches [L, 1, Smax, Hkv, D]; one sequence binds its past rows in place (a contiguous prefix of each
   layer's buffer) and ONNX Runtime writes the new rows straight after them.
 Either way the bytes moved per step do not depend on the context length."""
@@ -62,6 +62,10 @@ class OnnxEngine(CachedEngine):
         self.session = session or ort.InferenceSession(str(path), session_options(), providers=list(providers),
                                                        provider_options=provider_options(providers, path))
         self.attention = io_spec.attention_of(i.name for i in self.session.get_inputs())
+        want = [s.name for s in io_spec.inputs(cfg, self.n_layers, self.attention)]
+        if [i.name for i in self.session.get_inputs()] != want:
+            raise UserError(f"{path} was exported by an older version of spork_trt (its inputs differ from this "
+                            "version's): rebuild the engines with `python -m export build`")
         self.names = io_spec.kv_names(self.n_layers, self.attention)
         self.taps = tuple(taps)  # the graph's io_spec.HIDDEN output: hidden states after these layers
         outs = {o.name for o in self.session.get_outputs()}
@@ -82,6 +86,11 @@ class OnnxEngine(CachedEngine):
     @property
     def gqa(self) -> bool:
         return self.attention == io_spec.GQA
+
+    @property
+    def padded_batches(self) -> bool:
+        """The GQA graph packs a batch's tokens: it costs their sum."""
+        return not self.gqa
 
     def fresh(self) -> OnnxEngine:
         return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps)
@@ -127,13 +136,14 @@ class OnnxEngine(CachedEngine):
         return self._finish(seqs, batch, logits, feats, hidden)
 
     def _batch_gqa(self, seqs: list[SeqInput], stage: Staging, hidden: list | None) -> list[torch.Tensor]:
-        """The GQA graph over B sequences: each layer's staged buffer [B, Hkv, Pcap, D] is both past and present, so
-        the op writes each sequence's new rows after its own context there; they are copied to the caches after."""
-        batch = Padded.of(seqs, absolute=True)
-        (b, t), ctx, width = batch.input_ids.shape, batch.context, batch.mask.shape[-1]
+        """The GQA graph over B sequences, their tokens packed: each layer's staged buffer [B, Hkv, Pcap, D] is both
+        past and present, so the op writes each sequence's new rows after its own context there; they are copied to
+        the caches after."""
+        batch = Padded.of(seqs, absolute=True, packed=True)
+        (b, t, width), ctx = batch.mask.shape, batch.context
         # the op wants room for every sequence's padded chunk after its context: Pcap >= max(context) + T
         past = stage.past([s.cache for s in seqs], need=max(ctx) + t)  # [K|V, L, Bcap, Hkv, Pcap, D]
-        lens = io_spec.gqa_lengths([len(s.tokens) for s in seqs], ctx, width)  # bound by address: alive until run
+        lens = io_spec.gqa_feeds([len(s.tokens) for s in seqs], ctx, width)  # bound by address: alive until run
         io, logits, feats = self._bind_batch(batch, lens)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):
             for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
@@ -148,9 +158,9 @@ class OnnxEngine(CachedEngine):
 
     def _bind_batch(self, batch: Padded, lens: dict[str, np.ndarray]):
         """An IO binding with a batch's token inputs (and GQA's lengths) bound; its logits [R, V] and hidden
-        [B, T, k*C] (or None) outputs bound to scratch buffers.
+        [B, T, k*C] (packed: [1, N, k*C]) or None outputs bound to scratch buffers.
         Binding is by address: the caller keeps `batch` and `lens` alive until the run."""
-        b, t = batch.input_ids.shape
+        b, t = batch.input_ids.shape  # [B, T] (packed: [1, N])
         io = self.session.io_binding()
         feeds = {"input_ids": batch.input_ids.numpy(), "position_ids": batch.position_ids.numpy(),
                  "attention_mask": batch.mask.numpy(), "logit_rows": batch.logit_rows.numpy(), **lens}
@@ -166,7 +176,7 @@ class OnnxEngine(CachedEngine):
         `hidden`; its logits [r_b, V]."""
         for i, s in enumerate(seqs):
             if hidden is not None:
-                hidden.append(torch.from_numpy(feats[i, :len(s.tokens)].copy()))  # [n_b, k*C]
+                hidden.append(torch.from_numpy(feats[batch.rows(i, len(s.tokens))].copy()))  # [n_b, k*C]
             s.cache.written(len(s.tokens))
         return batch.split(torch.from_numpy(logits.copy()))  # [r_b, V] each
 
@@ -210,7 +220,7 @@ class OnnxEngine(CachedEngine):
                  "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
                  "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_), "logit_rows": at}
         if self.gqa:
-            feeds |= io_spec.gqa_lengths([t], [past], past + t)
+            feeds |= io_spec.gqa_feeds([t], [past], past + t)
         for name, arr in feeds.items():
             bind(io, name, arr)
         for layer, (pk, pv, nk, nv) in enumerate(self.names):

@@ -36,7 +36,7 @@ def prefill_feed(ids: list[int], cfg: ModelConfig, n_layers: int, attention: str
             "attention_mask": causal_mask(0, t).numpy(),  # [1, T, T]
             "logit_rows": np.arange(t, dtype=np.int64)}  # [R = T]
     if attention == io_spec.GQA:
-        feed |= io_spec.gqa_lengths([t], [0], t)
+        feed |= io_spec.gqa_feeds([t], [0], t)
         empty = np.zeros((1, cfg.n_kv_heads, t, cfg.head_dim), np.float32)  # [1, Hkv, M=T, D]
     else:
         empty = np.zeros((1, 0, cfg.n_kv_heads, cfg.head_dim), np.float32)  # [1, P=0, Hkv, D]

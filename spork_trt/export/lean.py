@@ -8,7 +8,8 @@ cost was a third of the step with the reference module's trace (about 2,200 node
 - every reshape is a constant ONNX Reshape (0 = keep that dim, one -1 for the rest): no shape arithmetic;
 - the attention bias is built once per forward, tiled for the G query heads that share a KV head;
 - new K/V rows come out in io_spec's [B, T, Hkv, D] layout without a transpose;
-- with io_spec.GQA the attention core (scores, mask, softmax, values, the KV append) is one GroupQueryAttention op.
+- with io_spec.GQA the attention core (scores, mask, softmax, values, the KV append) is one GroupQueryAttention op,
+  and the batch's tokens are packed: every other op runs on the N real tokens, the op on them gathered to [B, T].
 Same inputs, outputs and element-wise order of operations as the reference; parity is tested (test_onnx_engine).
 """
 from __future__ import annotations
@@ -54,6 +55,18 @@ def rotate_half_matrix(d: int) -> torch.Tensor:
     r[torch.arange(h) + h, torch.arange(h)] = -1.0
     r[torch.arange(h), torch.arange(h) + h] = 1.0
     return r
+
+
+class Gather(torch.autograd.Function):
+    """data[index] along dim 0 (data [N, X], index of any shape): exported as one Gather."""
+
+    @staticmethod
+    def forward(ctx, data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return data[index]
+
+    @staticmethod
+    def symbolic(g, data, index):
+        return g.op("Gather", data, index, axis_i=0)
 
 
 class GroupQueryAttention(torch.autograd.Function):
@@ -130,12 +143,15 @@ class LeanAttention(nn.Module):
         return self.wo(reshape(out.transpose(1, 2), 0, -1, h * d)), k, v  # [B, T, C], new rows [B, T, Hkv, D] x2
 
     def forward_gqa(self, x, cos, sin, bias, past_k, past_v, lens):
-        # x [B, T, C]; cos, sin [B, T, 1, D]; bias [B, 1, T, S]; past_k, past_v [B, Hkv, M, D] (bound in place);
-        # lens: query_seqlens [B], seqlens_k [B], total ()
-        h, hkv = self.h, self.hkv
-        q, k, v = (reshape(t, 0, 0, -1) for t in self.qkv(x, cos, sin))  # [B, T, H*D], [B, T, Hkv*D] x2
-        out, pk, pv = GroupQueryAttention.apply(q, k, v, past_k, past_v, *lens, bias, h, hkv)
-        return self.wo(out), pk, pv  # [B, T, C], present [B, Hkv, M, D] x2
+        # x [1, N, C] packed; cos, sin [1, N, 1, D]; bias [B, 1, T, S]; past_k, past_v [B, Hkv, M, D] (bound in
+        # place); lens: query_seqlens [B], seqlens_k [B], total (), padded_rows [B, T], packed_rows [N]
+        h, hkv, d = self.h, self.hkv, self.d
+        *lens, padded, packed = lens
+        q, k, v = (Gather.apply(reshape(t, -1, n * d), padded)  # [B, T, H*D], [B, T, Hkv*D] x2
+                   for t, n in zip(self.qkv(x, cos, sin), (h, hkv, hkv)))
+        out, pk, pv = GroupQueryAttention.apply(q, k, v, past_k, past_v, *lens, bias, h, hkv)  # [B, T, H*D]
+        out = Gather.apply(reshape(out, -1, h * d), packed)  # [N, H*D]: the real rows, packed again
+        return self.wo(reshape(out, 1, -1, h * d)), pk, pv  # [1, N, C], present [B, Hkv, M, D] x2
 
 
 class LeanMLP(nn.Module):
@@ -167,7 +183,8 @@ class LeanBlock(nn.Module):
 
 
 class LeanGraph(nn.Module):
-    """(input_ids, position_ids, attention_mask, logit_rows[, query_seqlens, seqlens_k, total], *past) ->
+    """(input_ids, position_ids, attention_mask, logit_rows[, query_seqlens, seqlens_k, total, padded_rows,
+    packed_rows], *past) ->
     (logits [R, V], *new kv[, hidden]) over the first `n_layers` layers (io_spec's inputs and outputs for
     `attention`)."""
 
@@ -182,11 +199,12 @@ class LeanGraph(nn.Module):
         self.register_buffer("inv_freq", model.inv_freq, persistent=False)  # [D/2]
 
     def forward(self, input_ids, position_ids, attention_mask, logit_rows, *past):
-        # input_ids, position_ids [B, T]; attention_mask [B, T, S] bool; logit_rows [R] flat indices into [B, T];
-        # GQA: query_seqlens, seqlens_k [B] int32, total () int32, then key, value [B, Hkv, M, D] per layer;
-        # PLAIN: key, value [B, P, Hkv, D] per layer
-        lens, past = (past[:3], past[3:]) if self.gqa else (None, past)
-        x = self.embed(input_ids)  # [B, T, C]
+        # input_ids, position_ids [B, T] (GQA: [1, N] packed); attention_mask [B, T, S] bool; logit_rows [R] flat
+        # indices into [B, T] (GQA: into [N]); GQA: query_seqlens, seqlens_k [B] int32, total () int32,
+        # padded_rows [B, T], packed_rows [N], then key, value [B, Hkv, M, D] per layer; PLAIN: key, value
+        # [B, P, Hkv, D] per layer
+        lens, past = (past[:5], past[5:]) if self.gqa else (None, past)
+        x = self.embed(input_ids)  # [B, T, C] (GQA: [1, N, C])
         cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [B, T, 1, D]
         bias = mask_bias(attention_mask)[:, None]  # [B, 1, T, S]
         if not self.gqa:
@@ -196,6 +214,8 @@ class LeanGraph(nn.Module):
             x, k, v = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1], lens)
             new += [k, v]
             tapped[i + 1] = x
-        hidden = [torch.cat([tapped[t] for t in self.taps], dim=-1)] if self.taps else []  # [B, T, k*C]
+        hidden = [torch.cat([tapped[t] for t in self.taps], dim=-1)] if self.taps else []  # [B, T, k*C] (GQA:
+        # [1, N, k*C])
         x = reshape(x, -1, self.dim)[logit_rows]  # [R, C]: the LM head runs at the asked-for rows only
         return (self.lm_head(self.norm(x)), *new, *hidden)
+

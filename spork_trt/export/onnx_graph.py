@@ -12,7 +12,7 @@ from ..model import Transformer
 from .lean import GQA_SLOTS, LeanGraph
 
 OPSET = 17
-GRAPH_LAYOUT = "lean-3"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
+GRAPH_LAYOUT = "lean-4"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
 
 
 def example_inputs(model: Transformer, n_layers: int, attention: str, past: int = 3, new: int = 2) -> tuple:
@@ -22,7 +22,7 @@ def example_inputs(model: Transformer, n_layers: int, attention: str, past: int 
     mask = torch.ones(1, new, past + new, dtype=torch.bool)
     rows = torch.arange(new)  # [R]
     if attention == io_spec.GQA:
-        lens = [torch.from_numpy(a) for a in io_spec.gqa_lengths([new], [past], past + new).values()]
+        lens = [torch.from_numpy(a) for a in io_spec.gqa_feeds([new], [past], past + new).values()]
         kv = [torch.zeros(1, cfg.n_kv_heads, past + new + 1, cfg.head_dim) for _ in range(2 * n_layers)]
         return (ids, pos, mask, rows, *lens, *kv)
     kv = [torch.zeros(1, past, cfg.n_kv_heads, cfg.head_dim) for _ in range(2 * n_layers)]
@@ -34,18 +34,25 @@ def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps
     """Write `out` (.onnx) with its weights in `out`.data; returns the path. `taps`: also output the hidden states
     after these layers (io_spec.HIDDEN: the learned draft head's features). `attention`: io_spec.GQA (ONNX Runtime
     CPU) or io_spec.PLAIN (standard ops only: TensorRT, ONNX Runtime's GPU providers)."""
-    import onnx
-
     n = model.cfg.n_layers if n_layers is None else n_layers
     ins, outs = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, taps, attention)
+    return write_graph(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),
+                       ins, outs, out)
+
+
+def write_graph(module: torch.nn.Module, example: tuple, ins: list[io_spec.TensorSpec],
+                outs: list[io_spec.TensorSpec], out: Path) -> Path:
+    """Export `module` traced on `example` with io_spec's names and dims; weights in `out`.data; checked."""
+    import onnx
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.onnx")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about python-side shape arithmetic
-        torch.onnx.export(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),
-                          str(tmp), dynamo=False, opset_version=OPSET, input_names=[s.name for s in ins],
-                          output_names=[s.name for s in outs], dynamic_axes=io_spec.dynamic_axes(ins + outs),
-                          do_constant_folding=True, custom_opsets={"com.microsoft": 1})
+        torch.onnx.export(module, example, str(tmp), dynamo=False, opset_version=OPSET,
+                          input_names=[s.name for s in ins], output_names=[s.name for s in outs],
+                          dynamic_axes=io_spec.dynamic_axes(ins + outs), do_constant_folding=True,
+                          custom_opsets={"com.microsoft": 1})
     graph = onnx.load(str(tmp))
     place_gqa_inputs(graph)
     declare_shapes(graph, ins, outs)
