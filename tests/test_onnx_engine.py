@@ -53,6 +53,21 @@ def test_graph_follows_io_spec(tiny, plain, attention):
             assert dims == list(spec.dims), (vi.name, dims, spec.dims)
 
 
+def test_a_graph_exported_by_an_older_version_is_refused(tiny):
+    """A lean-3 GroupQueryAttention graph (tokens padded, no padded_rows / packed_rows inputs) is refused in one
+    line naming the fix, not run with inputs it does not have."""
+    from types import SimpleNamespace
+
+    from spork_trt.errors import UserError
+
+    model, target = tiny[:2]
+    old = [s.name for s in io_spec.inputs(model.cfg, 3, io_spec.GQA) if s.name not in ("padded_rows", "packed_rows")]
+    session = SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n) for n in old], get_outputs=lambda: [])
+    with pytest.raises(UserError, match="older version.*python -m export build"):
+        OnnxEngine(target, model.cfg, session=session)
+    assert OnnxEngine(target, model.cfg).padded_batches is False  # the packed graph costs a batch its total tokens
+
+
 @pytest.mark.parametrize("attention", io_spec.ATTENTIONS)
 def test_lean_graph_has_no_shape_arithmetic_and_fused_projections(tiny, plain, attention):
     from spork_trt.export.lean import rotate_half_matrix
