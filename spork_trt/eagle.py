@@ -28,7 +28,7 @@ import torch
 from .config import SamplingConfig, SpecConfig
 from .draft_head import DraftHead
 from .drafters import grow_tree, level_mask
-from .kv_cache import KVCache
+from .kv_cache import KVCache, Rows
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -47,8 +47,10 @@ class EagleDrafter:
     embed: Callable[[list[int]], torch.Tensor]  # token ids [T] -> the target's embeddings [T, C] (see `lookup`)
     sampling: SamplingConfig
     gen: torch.Generator
+    # the head's step: an onnx_head.OnnxHead over the build's head.onnx, or (None) the head itself in PyTorch
+    step: Callable | None = None
     wants_hidden: ClassVar[bool] = True  # the engine core passes the target's hidden states to `observe`
-    cache: KVCache | None = None
+    cache: Rows | None = None  # the head's one-layer KV cache (the step's own kind)
     tokens: list[int] = field(default_factory=list)  # committed tokens before the root
     feats: list[torch.Tensor] = field(default_factory=list)  # [C] each: fused features of rows not run yet
     observed: list[torch.Tensor] = field(default_factory=list)  # [n, k*C] target hidden states since the last use
@@ -63,7 +65,7 @@ class EagleDrafter:
     def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         """Start a sequence whose prompt's target hidden states were observed (one per prompt token)."""
         if self.cache is None or self.cache.max_len < max_len:
-            self.cache = KVCache(self.head.hc.layer_config(), max_len)
+            self.cache = self.step.make_cache(max_len) if self.step else KVCache(self.head.hc.layer_config(), max_len)
         self.cache.truncate(0)
         self.tokens, self.feats, self.rows, self.outs = list(prompt_ids), [], {}, {}
         self.take_observed()
@@ -104,7 +106,7 @@ class EagleDrafter:
         """One head forward of T rows (tokens [T], g [T, C], pos [T], mask [1, T, S]) appended to its cache as
         pending rows; returns (h [T, C], draft-vocabulary logits [T, N])."""
         emb = self.embed(tokens)[None]  # [1, T, C]
-        h, logits = self.head(emb, g[None], pos[None], mask, self.cache)
+        h, logits = (self.step or self.head)(emb, g[None], pos[None], mask, self.cache)
         self.cache.written(len(tokens))
         return h[0], logits[0]
 

@@ -107,6 +107,22 @@ def outputs(cfg: ModelConfig, n_layers: int, taps: tuple[int, ...] = (), attenti
 HIDDEN = "hidden"  # [B, T, k*C] (GQA: [1, N, k*C]): the hidden states after each of the k tapped layers
 
 
+def head_inputs(cfg: ModelConfig) -> list[TensorSpec]:
+    """The learned draft head's graph (one decoder layer, PLAIN layout; draft_head.py): the next tokens' target
+    embeddings, the features (fused target hidden states or the head's own outputs), positions, mask, past rows."""
+    c, kv = cfg.dim, (1, PAST, cfg.n_kv_heads, cfg.head_dim)
+    return [TensorSpec("emb", "float32", (1, NEW, c)), TensorSpec("g", "float32", (1, NEW, c)),
+            TensorSpec("position_ids", "int64", (1, NEW)), TensorSpec("attention_mask", "bool", (1, NEW, TOTAL)),
+            TensorSpec("past_key_0", "float32", kv), TensorSpec("past_value_0", "float32", kv)]
+
+
+def head_outputs(cfg: ModelConfig, vocab: int) -> list[TensorSpec]:
+    """h [1, T, C] (the rows' outputs: deeper draft rows read them), draft-vocabulary logits [1, T, N], new rows."""
+    kv = (1, NEW, cfg.n_kv_heads, cfg.head_dim)
+    return [TensorSpec("h", "float32", (1, NEW, cfg.dim)), TensorSpec("logits", "float32", (1, NEW, vocab)),
+            TensorSpec("new_key_0", "float32", kv), TensorSpec("new_value_0", "float32", kv)]
+
+
 def dynamic_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
     return {s.name: {i: d for i, d in enumerate(s.dims) if isinstance(d, str)} for s in specs}
 

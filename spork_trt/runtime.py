@@ -51,7 +51,8 @@ class Runtime:
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
     store: Datastore | None = None  # the build's datastore of the target's own text (--draft store)
-    head: tuple | None = None  # the build's learned draft head and the target's embeddings (--draft eagle)
+    # the build's learned draft head, the target's embeddings and the head's ONNX step or None (--draft eagle)
+    head: tuple | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
@@ -124,8 +125,14 @@ class Runtime:
 
             from .draft_head import load_head
 
-            head = (load_head(d / built["head"]["path"])[0],
-                    lookup(np.load(d / built["head"]["embeddings"], mmap_mode="r", allow_pickle=False)))
+            head_model = load_head(d / built["head"]["path"])[0]
+            step = None  # an eagle1 head's step has an ONNX graph (builds since graph layout lean-4)
+            if built["head"].get("graph"):
+                from .engines.onnx_head import OnnxHead
+
+                step = OnnxHead(d / built["head"]["graph"], head_model.hc.layer_config())
+            head = (head_model, lookup(np.load(d / built["head"]["embeddings"], mmap_mode="r", allow_pickle=False)),
+                    step)
         return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store, head=head)
 
     @property
@@ -166,7 +173,7 @@ class Runtime:
                 raise UserError("--draft eagle needs a build with a draft head: `python -m export build --head DIR` "
                                 "(a `python -m export train-draft` folder), then pass --engines")
             seed = None if sampling.seed is None else sampling.seed + 1
-            return EagleDrafter(self.head[0], self.head[1], sampling, make_generator(seed))
+            return EagleDrafter(*self.head[:2], sampling, make_generator(seed), self.head[2])
         if kind == "hybrid":
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))

@@ -91,9 +91,9 @@ def test_draft_auto_is_the_store_where_the_engines_have_one(default_engines, def
 
 
 def test_build_with_a_draft_head_drafts_with_it(default_engines, default_checkpoint, tmp_path):
-    """An untrained head for the default target (LM head rows copied from the target's): the build adds it and the
-    target graph's hidden-state output, `--draft eagle` drafts with it and stays token-identical to plain; a head
-    made for another checkpoint is refused."""
+    """An untrained head for the default target (LM head rows copied from the target's): the build adds it, its
+    ONNX step and the target graph's hidden-state output, `--draft eagle` drafts with it and stays token-identical
+    to plain; a head made for another checkpoint is refused."""
     from spork_trt.draft_head import DraftHead, HeadConfig
 
     model = default_checkpoint.model
@@ -109,6 +109,7 @@ def test_build_with_a_draft_head_drafts_with_it(default_engines, default_checkpo
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert m["engines"]["target"]["taps"] == [30] and m["engines"]["head"]["vocab"] == 512 and "eagle" in m["drafters"]
+    assert m["engines"]["head"]["graph"] == "head.onnx" and "head.onnx.data" in m["artifacts"]  # its ONNX step
     for prompt in mt_bench_prompts(2):
         got = [json.loads(run("spork_trt", "generate", prompt, "--engines", str(out), "--max-new-tokens", "48",
                               "--json", *mode).stdout) for mode in (["--draft", "eagle"], ["--mode", "plain"])]

@@ -219,3 +219,23 @@ class LeanGraph(nn.Module):
         x = reshape(x, -1, self.dim)[logit_rows]  # [R, C]: the LM head runs at the asked-for rows only
         return (self.lm_head(self.norm(x)), *new, *hidden)
 
+
+class LeanHead(nn.Module):
+    """The learned draft head's step (draft_head.DraftHead, layout eagle1) in LeanBlock's ops: (emb [1, T, C], g
+    [1, T, C], position_ids [1, T], attention_mask [1, T, S], past_key, past_value [1, P, Hkv, D]) -> (h [1, T, C],
+    logits [1, T, N], new_key, new_value [1, T, Hkv, D]); S = P + T (io_spec.PLAIN's one-layer layout)."""
+
+    def __init__(self, head) -> None:
+        super().__init__()
+        cfg = head.hc.layer_config()
+        self.g = cfg.n_heads // cfg.n_kv_heads
+        self.fc, self.norm, self.lm_head = head.fc, head.norm, head.lm_head
+        self.block = LeanBlock(head.layer, cfg)
+        self.register_buffer("inv_freq", head.inv_freq, persistent=False)  # [D/2]
+
+    def forward(self, emb, g, position_ids, attention_mask, past_k, past_v):
+        x = self.fc(torch.cat([emb, g], dim=-1))  # [1, T, C]
+        cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [1, T, 1, D]
+        bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [1, 1, G*T, S]
+        h, k, v = self.block(x, cos, sin, bias, past_k, past_v)  # [1, T, C], [1, T, Hkv, D] x2
+        return h, self.lm_head(self.norm(h)), k, v

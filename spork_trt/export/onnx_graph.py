@@ -1,5 +1,5 @@
 """Export the reference model (optionally its first N layers) to ONNX with io_spec's names and axes, through
-lean.LeanGraph (the same math in fewer, larger ops)."""
+lean.LeanGraph (the same math in fewer, larger ops); the learned draft head's step through lean.LeanHead."""
 from __future__ import annotations
 
 import warnings
@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from .. import io_spec
+from ..errors import UserError
 from ..model import Transformer
-from .lean import GQA_SLOTS, LeanGraph
+from .lean import GQA_SLOTS, LeanGraph, LeanHead
 
 OPSET = 17
 GRAPH_LAYOUT = "lean-4"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
@@ -38,6 +39,21 @@ def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps
     ins, outs = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, taps, attention)
     return write_graph(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),
                        ins, outs, out)
+
+
+def export_head_onnx(head, out: Path) -> Path:
+    """Write the learned draft head's step (draft_head.DraftHead, layout eagle1) as `out` (.onnx + .data):
+    io_spec.head_inputs -> head_outputs, through lean.LeanHead."""
+    cfg = head.hc.layer_config()
+    if head.hc.layout != "eagle1":
+        raise UserError(f"only eagle1 draft heads (`export train-draft`) have an ONNX graph; this one is "
+                        f"{head.hc.layout} (it drafts in PyTorch)")
+    past, new = 3, 2
+    kv = torch.zeros(1, past, cfg.n_kv_heads, cfg.head_dim)
+    example = (torch.zeros(1, new, cfg.dim), torch.zeros(1, new, cfg.dim), torch.arange(past, past + new)[None],
+               torch.ones(1, new, past + new, dtype=torch.bool), kv, kv.clone())
+    return write_graph(LeanHead(head.eval()).eval(), example, io_spec.head_inputs(cfg),
+                       io_spec.head_outputs(cfg, head.hc.vocab), out)
 
 
 def write_graph(module: torch.nn.Module, example: tuple, ins: list[io_spec.TensorSpec],
