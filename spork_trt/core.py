@@ -31,7 +31,7 @@ from .scheduler import Candidates, Scheduler, allot
 from .stats import Stats
 from .stopping import StopState
 from .tree import DraftTree, compile_tree
-from .verifier import Scored, Verifier, gate_path
+from .verifier import Scored, ScoreJob, Verifier, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
 
 # sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
@@ -96,6 +96,16 @@ class Request:
         reason = "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
         text = self.stop.text() if self.decode and self.stop.reason else None
         return GenerationResult(list(self.stop.tokens), reason, self.stats, text)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decoding request's proposal before scoring."""
+
+    proposed: DraftTree
+    speculate: bool
+    scoring: bool  # the verifier scores it
+    propose_s: float
 
 
 @dataclass
@@ -173,7 +183,7 @@ class EngineCore:
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
         t0, drafting = time.perf_counter(), self.switch.propose(len(decoding))
-        drafts = [self.propose(r, drafting) for r in decoding]
+        drafts = self.propose(decoding, drafting)
         padded = self.engine.padded_batches
         counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
                        padded)
@@ -216,22 +226,39 @@ class EngineCore:
             r.finished = True
         return leaving
 
-    def propose(self, r: Request, drafting: bool = True) -> Draft:
-        """`drafting`: the draft switch's choice for this step; a sampled request ignores it (its seeded draws
-        depend on its trees, so they must not depend on timing or on the other requests)."""
+    def propose(self, reqs: list[Request], drafting: bool = True) -> list[Draft]:
+        """Each request's drafter proposes; the trees the verifier scores run through ONE verifier forward
+        (verifier.score_batch; its time shared among them); then each request's candidates for the allotment.
+        `drafting`: the draft switch's choice for this step; a sampled request ignores it (its seeded draws depend
+        on its trees, so they must not depend on timing or on the other requests)."""
+        plans = [self.plan(r, drafting) for r in reqs]
+        scores: dict[Request, Scored] = {}
+        groups: dict[int, list[tuple[Request, Plan]]] = {}  # by verifier engine (a runtime's requests share one)
+        for r, p in zip(reqs, plans):
+            if p.scoring:
+                groups.setdefault(id(r.verifier.engine), []).append((r, p))
+        t = time.perf_counter()
+        for group in groups.values():
+            jobs = [ScoreJob(r.verifier, r.target, r.behind, p.proposed, r.sched.recent,
+                             [*r.prompt_ids, *r.stop.tokens], len(r.prompt_ids)) for r, p in group]
+            scores.update(zip((r for r, _ in group), score_batch(jobs)))
+        score_s = (time.perf_counter() - t) / max(len(scores), 1)
+        return [self.draft(r, p, scores.get(r), score_s) for r, p in zip(reqs, plans)]
+
+    def plan(self, r: Request, drafting: bool) -> Plan:
         t = time.perf_counter()
         drafting = drafting or not r.cfg.sampling.greedy
         speculate = drafting and r.drafter is not None and r.sched.speculate()
         proposed = r.drafter.propose(r.root, r.sched.shape()) if speculate else DraftTree.root_only(r.root)
-        t_score = time.perf_counter()
         gate = r.spec.gate_tau > 0
         scoring = speculate and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
-        scored = r.verifier.score(r.target, r.behind, proposed, r.sched.recent, [*r.prompt_ids, *r.stop.tokens],
-                                  len(r.prompt_ids)) if scoring else None
-        gated = gate_path(proposed, scored, r.spec.gate_tau) if gate and scored else []
+        return Plan(proposed, speculate, scoring, time.perf_counter() - t)
+
+    def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
+        gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []
         survival = None if scored is None else scored.survival
-        cands = None if gated else r.sched.candidates(proposed, r.cfg.sampling.greedy, survival)
-        return Draft(proposed, scored, gated, cands, speculate, t_score - t, time.perf_counter() - t_score)
+        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.sampling.greedy, survival)
+        return Draft(p.proposed, scored, gated, cands, p.speculate, p.propose_s, score_s if scored else 0.0)
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
         keep = r.sched.kept(d.proposed, d.cands, count)

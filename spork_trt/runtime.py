@@ -156,8 +156,10 @@ class Runtime:
             return self.draft_engines[name]
 
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
-        """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`."""
-        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}").fresh(), head)
+        """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`. Every
+        verifier shares this runtime's one early-exit engine (it holds no sequence: each forward runs on the
+        request's own cache), so the engine core scores all of a step's trees in one batched forward."""
+        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}"), head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
         kind, _ = parse_draft(self.resolve_draft(name), self.cfg.n_layers)

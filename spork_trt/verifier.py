@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .engines import SeqInput
 from .errors import UserError
 from .repetition import REPETITION, repetition
 from .tree import DraftTree, compile_tree
@@ -140,20 +141,54 @@ class Verifier:
         rows and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
         tokens accepted per step lately (the scheduler's moving average); `context`: the request's tokens so far
         (its first `prompt_len` the prompt), ending with the tree's root (empty: the root alone)."""
-        full = tree.after(behind)
-        buf = compile_tree(full.parents, target.length)
-        logits = self.forward(target, torch.tensor([full.tokens]), buf.position_ids, buf.mask)[0]  # [B+N, V]
-        b = len(behind)
-        depth = tuple(d - b for d in buf.depth[b:])
-        ctx = np.asarray(context if len(context) else tree.tokens[:1])
-        assert ctx[-1] == tree.tokens[0], "the context ends with the tree's root"
-        x = node_features(tree, logits[b:], depth, recent)
-        x[:, -len(REPETITION):] = repetition(ctx, prompt_len, tree, depth)
-        conf = surv = None
-        if self.head is not None:
-            conf = np.concatenate([[1.0], self.head(x[1:])]) if len(tree) > 1 else np.ones(1)
-            surv = survival(tree.parents, conf)
-        return Scored(x, depth, conf, surv)
+        return score_batch([ScoreJob(self, target, behind, tree, recent, context, prompt_len)])[0]
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """One request's tree to score (Verifier.score's arguments)."""
+
+    verifier: Verifier  # the request's: its confidence head scores the nodes
+    target: object  # the request's target engine (its cache holds the committed rows)
+    behind: list[int]
+    tree: DraftTree
+    recent: float = 0.0
+    context: Sequence[int] = ()
+    prompt_len: int = 0
+
+
+def score_batch(jobs: list[ScoreJob]) -> list[Scored]:
+    """Score several requests' trees with ONE verifier forward (the engine core's step): every job's verifier
+    must share the first one's engine (Runtime.verifier gives every request the same), each tree runs after its
+    own target's committed rows and the rows it writes are dropped; each job is scored with its own head."""
+    engine = jobs[0].verifier.engine
+    assert all(j.verifier.engine is engine for j in jobs), "batched scoring needs one shared verifier engine"
+    fulls = [j.tree.after(j.behind) for j in jobs]
+    bufs = [compile_tree(f.parents, j.target.length) for f, j in zip(fulls, jobs)]
+    seqs = []
+    for j, f, buf in zip(jobs, fulls, bufs):
+        assert j.target.pending == 0, "run the verifier before the target's forward of this step"
+        seqs.append(SeqInput(j.target.cache, tuple(f.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors))
+    logits = engine.forward_batch(seqs)  # [len(behind) + N, V] each
+    for j in jobs:
+        j.target.cache.commit([])
+    return [scored(j, buf, lg) for j, buf, lg in zip(jobs, bufs, logits)]
+
+
+def scored(j: ScoreJob, buf, logits: torch.Tensor) -> Scored:
+    """One job's Scored from the verifier's logits [len(behind) + N, V] at its tree."""
+    b, tree = len(j.behind), j.tree
+    depth = tuple(d - b for d in buf.depth[b:])
+    ctx = np.asarray(j.context if len(j.context) else tree.tokens[:1])
+    assert ctx[-1] == tree.tokens[0], "the context ends with the tree's root"
+    x = node_features(tree, logits[b:], depth, j.recent)
+    x[:, -len(REPETITION):] = repetition(ctx, j.prompt_len, tree, depth)
+    conf = surv = None
+    head = j.verifier.head
+    if head is not None:
+        conf = np.concatenate([[1.0], head(x[1:])]) if len(tree) > 1 else np.ones(1)
+        surv = survival(tree.parents, conf)
+    return Scored(x, depth, conf, surv)
 
 
 def node_features(tree: DraftTree, logits: torch.Tensor, depth: tuple[int, ...], recent: float) -> np.ndarray:

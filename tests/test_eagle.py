@@ -138,7 +138,8 @@ def test_onnx_head_step_equals_the_torch_head(target, head, tmp_path):
         for w, x in zip(want, got):
             assert x.shape == w.shape and torch.allclose(x, w, atol=1e-4)
     assert torch.allclose(torch.from_numpy(cache.k[0, 0, :7]), ref_cache.k[0, 0, :, :7].transpose(0, 1), atol=1e-4)
-    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
+    # a fixed tree shape: the adaptive scheduler's choices depend on timing, which differs between two runs
+    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5, adaptive=False)
     engine = TorchEngine(target, taps=head.hc.taps)
     trees = {}
     for name, s in (("torch", None), ("onnx", step)):

@@ -213,3 +213,46 @@ def test_observed_labels_count_every_accepted_token_once(target):
     got = run(target, PROMPTS[2], 60, NgramDrafter(4), spec, Verifier(TorchEngine(target, exit_layer=1), None),
               observe)
     assert seen["pos"] == got.stats.accepted_tokens > 0 and seen["n"] > seen["pos"]
+
+
+def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
+    """score_batch scores several requests' trees (each after its own committed rows, with its own head) in one
+    verifier forward, with the features each gets alone, leaving every cache as it was; the engine core scores a
+    step's trees that way (one shared verifier engine) and every request stays token-identical to plain."""
+    from spork_trt.core import CoreConfig, EngineCore, Request
+    from spork_trt.verifier import ScoreJob, score_batch
+    from tests.conftest import run_core
+
+    shared = TorchEngine(target, exit_layer=2)
+    calls = []
+    forward_batch = shared.forward_batch
+    shared.forward_batch = lambda seqs, *a: calls.append(len(seqs)) or forward_batch(seqs, *a)
+    pool = TorchEngine(target).make_pool(3, 64)
+    engines, trees = [], [DraftTree((9, 4, 5, 6), (-1, 0, 0, 1)), DraftTree((3, 7), (-1, 0)), DraftTree((5,), (-1,))]
+    for c, p in zip(pool.caches, PROMPTS):
+        e = TorchEngine(target)
+        e.cache = c
+        prefill(e, p)
+        engines.append(e)
+    heads = [argmax_head(2), head({"logp": 1.0}, 0.0, 2), None]
+    jobs = [ScoreJob(Verifier(shared, h), e, [], t) for h, e, t in zip(heads, engines, trees)]
+    before = [e.cache.k[:, :, :, :e.length].clone() for e in engines]
+    got = score_batch(jobs)
+    assert calls == [3]
+    for j, g, kb in zip(jobs, got, before):
+        alone = Verifier(TorchEngine(target, exit_layer=2), j.verifier.head).score(j.target, [], j.tree)
+        assert np.allclose(g.features, alone.features, atol=1e-4) and g.depth == alone.depth
+        assert (g.confidence is None) == (j.verifier.head is None)
+        if g.confidence is not None:
+            assert np.allclose(g.confidence, alone.confidence, atol=1e-4)
+        assert (j.target.pending, torch.equal(j.target.cache.k[:, :, :, :j.target.length], kb)) == (0, True)
+
+    calls.clear()
+    spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=10, verifier="on", tau=0.05)
+    core = EngineCore(TorchEngine(target), 256, CoreConfig(slots=3, max_len=128))
+    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4),
+                    verifier=Verifier(shared, argmax_head(2))) for p in PROMPTS]
+    out = run_core(core, reqs)
+    for i, p in enumerate(PROMPTS):
+        assert out[i].token_ids == run(target, p, 30).token_ids and out[i].stats.scored_steps > 0
+    assert max(calls) > 1  # steps scored several requests' trees in one forward
