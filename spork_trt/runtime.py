@@ -158,7 +158,8 @@ class Runtime:
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
         """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`. Every
         verifier shares this runtime's one early-exit engine (it holds no sequence: each forward runs on the
-        request's own cache), so the engine core scores all of a step's trees in one batched forward."""
+        request's own cache), so the engine core scores all of a step's trees in one batched forward. One core thread
+        steps a runtime's requests (Service's loop; `generate`'s core of one), never two at once."""
         return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}"), head)
 
     def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
