@@ -154,6 +154,10 @@ class EngineCore:
         self.active: list[Request] = []
         self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
         self.switch = DraftSwitch()  # whether a step proposes at all, measured per batch size
+        # per drafter: acceptance odds by (depth, rank[, strength]) pooled over its requests (Scheduler.odds): a
+        # request of 128 tokens sees too few verdicts to learn them alone (its estimates stayed near the 0.5 prior,
+        # about twice what the store's nodes are accepted at); shared, the allotment's expectations match
+        self.odds: dict[str, dict] = {}
 
     def add(self, r: Request) -> Request:
         """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
@@ -166,7 +170,8 @@ class EngineCore:
             raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
                             f"(max_queue): retry later")
         r.stop = StopState(r.eos_ids, max_new, r.cfg.stop_strings, r.decode)
-        r.sched = Scheduler(r.spec, greedy=r.cfg.sampling.greedy, costs=self.costs)
+        r.sched = Scheduler(r.spec, greedy=r.cfg.sampling.greedy, costs=self.costs,
+                            odds=self.odds.setdefault(r.spec.draft, {}))
         r.gen = make_generator(r.cfg.sampling.seed)
         r.t0 = time.perf_counter()
         self.waiting.append(r)

@@ -252,7 +252,8 @@ class HybridDrafter:
 class StoreDrafter:
     """The request's own text first (prompt lookup), then the datastore of the target's own generations
     (datastore.py) for the forks the context leaves: continuations of the longest match of the recent tokens, most
-    frequent first."""
+    frequent first. Every node's score is its matched suffix length / max_n (until 2026-12-01 a store node's was
+    its share of the matches: a store confidence head calibrated before then should be recalibrated)."""
 
     ngram: NgramDrafter
     store: Datastore
@@ -265,10 +266,13 @@ class StoreDrafter:
         if len(conts) < spec.tree_width:
             ctx = self.ngram.context
             query = [*ctx[max(0, len(ctx) - KEY + 1):], root]  # [<= KEY]
-            for cont, share in self.store.continuations(query, spec.tree_depth, spec.tree_width):
+            # a store node's score is its matched suffix length / max_n, as a context node's (the longer the
+            # match, the likelier the node: the scheduler's odds and the verifier's head read it)
+            score = min(self.store.longest(query)[0], self.ngram.max_n) / self.ngram.max_n
+            for cont, _share in self.store.continuations(query, spec.tree_depth, spec.tree_width):
                 if not covered(conts, cont):
                     conts.append(cont)
-                    scores.append(share)
+                    scores.append(score)
                     if len(conts) == spec.tree_width:
                         break
         return trie(root, conts, spec.tree_budget, scores)

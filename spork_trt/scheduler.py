@@ -1,7 +1,11 @@
 """When and how much to speculate: the cost-aware scheduler and the three recovery levels.
 
-Scores (cheap, online, per request): P(node accepted | parent accepted) per (depth, sibling rank), kept as decayed
-counts of the target's verdicts; a node's path survival is the product along its path. Costs: the engine core's
+Scores (cheap, online; the engine core pools them per drafter over its requests): P(node accepted | parent
+accepted) per (depth, sibling rank), and per (depth, rank, strength) where strength buckets the drafter's own
+score of the node (its matched suffix length for the n-gram and store drafters, its probability for model
+drafters), kept as decayed counts of the target's verdicts; a (depth, rank, strength) estimate starts from its
+(depth, rank) one (STRENGTH_PRIOR pseudo counts) and moves with its own verdicts. A node's path survival is the
+product along its path. Costs: the engine core's
 CostModel (seconds of a target forward by the tokens it runs, all requests together) and moving averages of tokens
 per second of speculative and plain steps. Each step:
   - prune (greedy only): each request offers its nodes most likely first (`candidates`: sorted by path survival, so
@@ -33,6 +37,8 @@ from .verify import Verdict
 DECAY = 0.97  # weight of history per observation (recent text matters most)
 MARGIN = 0.05  # a step speculates only when its estimated rate beats the plain step's by this much (estimates err)
 PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
+STRENGTHS = 4  # the drafter's score of a node in [0, 1], bucketed as round(score * STRENGTHS)
+STRENGTH_PRIOR = 2.0  # pseudo counts a (depth, rank, strength) estimate takes from its (depth, rank) one
 TAU_BOUNDS = (0.002, 0.9)
 TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured acceptance) per scored step
 FIRST_PROBE = 4  # speculative steps before "auto" first tries the verifier
@@ -140,9 +146,13 @@ class Scheduler:
         self.probe_in -= 1
         return self.probe_in <= 0
 
-    def p_accept(self, depth: int, rank: int) -> float:
+    def p_accept(self, depth: int, rank: int, strength: int | None = None) -> float:
         a, n = self.odds.get((depth, rank), (0.0, 0.0))
-        return (a + PRIOR[0]) / (n + PRIOR[1])
+        coarse = (a + PRIOR[0]) / (n + PRIOR[1])
+        if strength is None:
+            return coarse
+        a, n = self.odds.get((depth, rank, strength), (0.0, 0.0))
+        return (a + STRENGTH_PRIOR * coarse) / (n + STRENGTH_PRIOR)
 
     def candidates(self, tree: DraftTree, greedy: bool, survival=None) -> Candidates:
         """The tree's draft nodes, most likely first, for `allot`. `survival` [N]: the verifier's path survival,
@@ -160,9 +170,10 @@ class Scheduler:
     def odds_survival(self, tree: DraftTree) -> list[float]:
         """[N] path survival by the learned (depth, rank) acceptance odds alone."""
         depth, rank = features(tree)
+        strength = strengths(tree)
         odds = [1.0]
         for i in range(1, len(tree)):
-            odds.append(odds[tree.parents[i]] * self.p_accept(depth[i], rank[i]))
+            odds.append(odds[tree.parents[i]] * self.p_accept(depth[i], rank[i], strength[i]))
         return odds
 
     def allot_alone(self, cands: Candidates) -> list[int]:
@@ -190,11 +201,13 @@ class Scheduler:
         if not speculated:
             self.cooling = max(0, self.cooling - 1)
             return
-        on_path, (depth, rank) = set(verdict.path), features(tree)
-        for i in range(1, n):  # each node whose parent was accepted was a fair test of its (depth, rank)
+        on_path, (depth, rank), strength = set(verdict.path), features(tree), strengths(tree)
+        for i in range(1, n):  # each node whose parent was accepted was a fair test of its (depth, rank, strength)
             if tree.parents[i] in on_path:
-                odds = self.odds.setdefault((depth[i], rank[i]), [0.0, 0.0])
-                odds[0], odds[1] = odds[0] * DECAY + (i in on_path), odds[1] * DECAY + 1
+                keys = [(depth[i], rank[i])] + ([] if strength[i] is None else [(depth[i], rank[i], strength[i])])
+                for key in keys:
+                    odds = self.odds.setdefault(key, [0.0, 0.0])
+                    odds[0], odds[1] = odds[0] * DECAY + (i in on_path), odds[1] * DECAY + 1
         accepted = len(verdict.accepted)
         self.recent = ema(self.recent, accepted)
         self.failures = 0 if accepted else self.failures + 1
@@ -226,6 +239,13 @@ def ranked(survival: list[float], nodes: tuple[int, ...], fixed: bool = False) -
     """`nodes` most likely first (ties: lower index, so a parent, never less likely than its child, comes first)."""
     order = tuple(sorted(nodes, key=lambda i: (-survival[i], i)))
     return Candidates(order, tuple(survival[i] for i in order), fixed)
+
+
+def strengths(tree: DraftTree) -> list[int | None]:
+    """Per node: the drafter's own score of it, bucketed (None: the drafter gives none)."""
+    if tree.score is None:
+        return [None] * len(tree)
+    return [round(min(max(float(x), 0.0), 1.0) * STRENGTHS) for x in tree.score]
 
 
 def features(tree: DraftTree) -> tuple[list[int], list[int]]:

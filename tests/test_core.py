@@ -104,7 +104,8 @@ def test_forward_batch_with_uneven_contexts_equals_alone(tiny, kind):
 @pytest.mark.parametrize("kind", ["torch", "onnx"])
 def test_batched_requests_equal_each_request_alone(tiny, kind):
     """Five requests (plain, n-gram, early-exit drafts) on three slots with small prefill chunks: some queue, some
-    join mid-run; each one's tokens equal plain greedy decoding of it alone."""
+    join mid-run; each one's tokens equal plain greedy decoding of it alone; requests of one drafter pool their
+    acceptance odds."""
     draws = ["ngram", "plain", "early", "ngram", "early"]
     want = [generate(engine(tiny, kind), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
@@ -113,6 +114,10 @@ def test_batched_requests_equal_each_request_alone(tiny, kind):
     out = run_core(core, reqs, join_at={3: 4, 4: 9})
     assert [out[i].token_ids for i in range(5)] == want
     assert sum(out[i].stats.draft_tokens for i in range(5)) > 0 and core.pool.in_use == 0
+    # the acceptance odds are pooled per drafter: both n-gram requests learned into (and read) the same table
+    assert reqs[0].sched.odds is reqs[3].sched.odds is core.odds["ngram"]
+    assert reqs[2].sched.odds is reqs[4].sched.odds is core.odds["early-exit"] is not core.odds["ngram"]
+    assert any(core.odds.values())
 
 
 def test_sampled_requests_draw_the_same_tokens_batched_as_alone(tiny):

@@ -1,5 +1,6 @@
 """The cost-aware scheduler on hand-made trees, verdicts and timings: pruning keeps ancestor-closed sets worth
-their cost, acceptance odds are learned per (depth, rank), depth halves and regrows, slow speculation falls back."""
+their cost, acceptance odds are learned per (depth, rank) and per the drafter's score, depth halves and regrows,
+slow speculation falls back."""
 from __future__ import annotations
 
 from spork_trt.config import SpecConfig
@@ -54,6 +55,23 @@ def test_record_learns_odds_and_moves_depth():
     assert s.depth == 2  # level 2: halved after a failed step
     s.record(sub, Verdict((0, 1), (10,), 99), True, 0.01, 0.02)
     assert s.depth == 4  # doubles back
+
+
+def test_odds_by_the_drafters_score_separate_strong_nodes_from_weak_ones():
+    """A node's (depth, rank, strength) estimate starts from its (depth, rank) one and learns its own verdicts:
+    long-match nodes (score 1.0) always accepted and short-match ones (0.25) never are told apart, while a score
+    never seen falls back to the shared (depth, rank) estimate."""
+    s = sched()
+    strong, weak = (DraftTree((0, 10), (-1, 0), score=(1.0, x)) for x in (1.0, 0.25))
+    for _ in range(20):
+        s.record(strong, Verdict((0, 1), (10,), 99), True, 0.01, 0.02)
+        s.record(weak, Verdict((0,), (), 99), True, 0.01, 0.02)
+    assert s.odds[(1, 0, 4)][0] > 10 and s.odds[(1, 0, 1)][0] == 0.0
+    p_strong, p_weak = (s.odds_survival(t)[1] for t in (strong, weak))
+    assert p_strong > 0.85 and p_weak < 0.15
+    coarse = s.p_accept(1, 0)
+    assert 0.3 < coarse < 0.7 and s.odds_survival(DraftTree((0, 10), (-1, 0), score=(1.0, 0.5)))[1] == coarse
+    assert s.odds_survival(DraftTree((0, 10), (-1, 0)))[1] == coarse  # a drafter without scores
 
 
 def test_level_3_fallback_after_failures_and_when_slower_than_plain():
