@@ -94,7 +94,12 @@ class Datastore:
                       ) -> list[tuple[list[int], float]]:
         """Up to `width` distinct continuations (at most `depth` tokens) of the longest match of `context`'s suffix,
         most frequent first, each with its share of the matches read."""
-        n, (lo, hi) = self.longest(context, min_n)
+        return self.continuations_of(self.longest(context, min_n), depth, width)
+
+    def continuations_of(self, match: tuple[int, tuple[int, int]], depth: int, width: int
+                         ) -> list[tuple[list[int], float]]:
+        """`continuations` for a match `longest` found: (its length n, its suffix-array span)."""
+        n, (lo, hi) = match
         if n == 0 or depth <= 0:
             return []
         picks = np.unique(np.linspace(lo, hi - 1, min(READS, hi - lo)).astype(np.int64))

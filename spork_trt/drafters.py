@@ -268,8 +268,9 @@ class StoreDrafter:
             query = [*ctx[max(0, len(ctx) - KEY + 1):], root]  # [<= KEY]
             # a store node's score is its matched suffix length / max_n, as a context node's (the longer the
             # match, the likelier the node: the scheduler's odds and the verifier's head read it)
-            score = min(self.store.longest(query)[0], self.ngram.max_n) / self.ngram.max_n
-            for cont, _share in self.store.continuations(query, spec.tree_depth, spec.tree_width):
+            match = self.store.longest(query)
+            score = min(match[0], self.ngram.max_n) / self.ngram.max_n
+            for cont, _share in self.store.continuations_of(match, spec.tree_depth, spec.tree_width):
                 if not covered(conts, cont):
                     conts.append(cont)
                     scores.append(score)

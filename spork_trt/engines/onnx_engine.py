@@ -230,8 +230,7 @@ class OnnxEngine(CachedEngine):
                     bind(io, pname, rows[None])
                     bind(io, nname, rows[None], out=True)
                 else:
-                    bind(io, pname, rows[None, :past])
-                    bind(io, nname, rows[None, past:past + t], out=True)
+                    bind_rows(io, rows, pname, nname, past, t)
         logits = self.logits[:len(at)]  # [R, V]
         bind(io, "logits", logits, out=True)
         feats = self._bind_hidden(io, 1, t)  # [1, T, k*C] or None
@@ -241,6 +240,13 @@ class OnnxEngine(CachedEngine):
             self.check_hidden(hidden)
             hidden.append(torch.from_numpy(feats[0].copy()))  # [T, k*C]
         return torch.from_numpy(logits[None, :r].copy())
+
+
+def bind_rows(io, rows: np.ndarray, past_name: str, new_name: str, past: int, t: int) -> None:
+    """io_spec.PLAIN, one sequence: its first `past` rows of a [Smax, ...] buffer as the past input, in place, and
+    the next `t` rows as the new-rows output (ONNX Runtime writes them straight after)."""
+    bind(io, past_name, rows[None, :past])
+    bind(io, new_name, rows[None, past:past + t], out=True)
 
 
 def bind(io, name: str, arr: np.ndarray, out: bool = False) -> None:

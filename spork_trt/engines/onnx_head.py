@@ -11,7 +11,7 @@ import torch
 from .. import io_spec
 from ..config import ModelConfig
 from ..kv_cache import Rows
-from .onnx_engine import bind, session_options
+from .onnx_engine import bind, bind_rows, session_options
 
 
 class OnnxHead:
@@ -45,9 +45,7 @@ class OnnxHead:
         for name, arr in feeds.items():
             bind(io, name, arr)
         for buf, pname, nname in ((cache.k, "past_key_0", "new_key_0"), (cache.v, "past_value_0", "new_value_0")):
-            rows = buf[0, 0]  # [Smax, Hkv, D], contiguous
-            bind(io, pname, rows[None, :past])
-            bind(io, nname, rows[None, past:past + t], out=True)
+            bind_rows(io, buf[0, 0], pname, nname, past, t)  # [Smax, Hkv, D], contiguous
         bind(io, "h", h, out=True)
         bind(io, "logits", logits, out=True)
         self.session.run_with_iobinding(io)
