@@ -59,7 +59,9 @@ class Datastore:
             raise UserError(f"no readable datastore in {d} ({e}): build one with `python -m export build`") from None
         if tokens.dtype != np.int32 or sa.dtype != np.int32 or tokens.ndim != 1 or sa.ndim != 1:
             raise UserError(f"{d}: the datastore files must be 1-D int32 arrays")
-        return cls(tokens, sa)
+        # plain ndarray views of the mapped files: still memory-mapped, without np.memmap's per-index overhead (a
+        # lookup indexes them ~150 times: 0.49 -> 0.20 ms per proposal on the default store)
+        return cls(tokens.view(np.ndarray), sa.view(np.ndarray))
 
     def __len__(self) -> int:
         return len(self.sa)

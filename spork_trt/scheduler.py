@@ -15,7 +15,8 @@ per second of speculative and plain steps. Each step:
     trees shrink toward plain per request, never wholesale. Keeping none is a plain step;
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
-    plain ones, decode plainly for `cooldown` steps, then probe again;
+    plain ones, decode plainly for `cooldown` steps, then probe again (a step whose allotment kept no node is a
+    plain step: neither a failure nor a reason to halve the depth);
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -200,6 +201,8 @@ class Scheduler:
         self.rate[speculated] = ema(self.rate.get(speculated), committed / max(propose_s + verify_s, 1e-9))
         if not speculated:
             self.cooling = max(0, self.cooling - 1)
+            return
+        if n == 1:  # the allotment kept no node (load, low odds): a plain step, not a failed proposal
             return
         on_path, (depth, rank), strength = set(verdict.path), features(tree), strengths(tree)
         for i in range(1, n):  # each node whose parent was accepted was a fair test of its (depth, rank, strength)

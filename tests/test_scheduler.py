@@ -88,6 +88,15 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     assert not s.speculate() and s.fallbacks == 2
 
 
+def test_a_step_whose_allotment_kept_no_node_is_not_a_failure():
+    """Under load the allotment often verifies none of a request's nodes: that plain step must not count toward
+    level 3's failures nor halve the depth (it did: 3 such steps switched speculation off for `cooldown` steps)."""
+    s = sched(fail_limit=2, cooldown=3)
+    for _ in range(5):
+        s.record(DraftTree.root_only(5), Verdict((0,), (), 7), True, 0.0, 0.01)
+    assert s.speculate() and s.fallbacks == 0 and s.failures == 0 and s.depth == 4 and s.odds == {}
+
+
 def test_allot_shares_one_forward_by_goodput():
     """Across requests the most likely nodes win; with a flat cost every node is taken, with a steep one none, and
     one request alone gets what `prune` keeps for it."""
