@@ -12,6 +12,7 @@ EXAMPLES = """examples:
   python -m bench plain --limit 4 --max-new-tokens 64     # our torch engine vs transformers generate
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency,
                                                           # batching server vs a one-at-a-time one (--max-batch 1)
+  python -m bench serve --concurrency 1,4,16 --repeats 3   # each level 3 times, modes alternating: median ratios
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     sv.add_argument("--reference-concurrency", default="1,16",
                     help="client counts for the reference server (default: %(default)s)")
     sv.add_argument("--modes", default="spork,plain", help="spec_mode values to compare")
+    sv.add_argument("--repeats", type=int, default=1,
+                    help="measure each level this many times, the modes' order alternating, and report the median "
+                         "paired ratio (default: %(default)s)")
     sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(sk)

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -110,12 +111,17 @@ def latency_plot(serve: dict, path: Path) -> Path:
     p = plt()
     fig, (ax1, ax2) = p.subplots(1, 2, figsize=(10, 4))
     for key in sorted({(r.get("server", ""), r["mode"]) for r in serve["levels"]}):
-        rows = sorted((r for r in serve["levels"] if (r.get("server", ""), r["mode"]) == key),
-                      key=lambda r: r["concurrency"])
-        cs, name = [r["concurrency"] for r in rows], " ".join(k for k in key if k)
-        line = ax1.plot(cs, [r["e2e_p50_s"] for r in rows], "o-", label=f"{name} p50")[0]
-        ax1.plot(cs, [r["e2e_p90_s"] for r in rows], "s--", color=line.get_color(), label=f"{name} p90")
-        ax2.plot(cs, [r["output_tokens_per_second"] for r in rows], "o-", color=line.get_color(), label=name)
+        by_conc = defaultdict(list)  # concurrency -> its rows (one per repeat)
+        for r in serve["levels"]:
+            if (r.get("server", ""), r["mode"]) == key:
+                by_conc[r["concurrency"]].append(r)
+        cs, name = sorted(by_conc), " ".join(k for k in key if k)
+
+        def med(field: str) -> list[float]:  # the median over repeats at each concurrency
+            return [statistics.median(r[field] for r in by_conc[c]) for c in cs]
+        line = ax1.plot(cs, med("e2e_p50_s"), "o-", label=f"{name} p50")[0]
+        ax1.plot(cs, med("e2e_p90_s"), "s--", color=line.get_color(), label=f"{name} p90")
+        ax2.plot(cs, med("output_tokens_per_second"), "o-", color=line.get_color(), label=name)
     ax1.set(xscale="log", xlabel="concurrent clients", ylabel="end-to-end latency (s)")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s (all clients)")
     return finish(fig, [ax1, ax2], path)

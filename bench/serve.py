@@ -8,6 +8,10 @@ working-set peak, so the memory figures show growth per request, not the first p
 text, end-to-end time, output tokens (steps x mean accepted length, from the response's stats). Per level, from
 the server's Prometheus metrics: the mean batch size (requests in a step, averaged over the level's steps). The
 server's resident memory (tritonserver plus its python stubs) is read after warm-up and after the sweep.
+
+`--repeats R` measures every (concurrency, mode) level R times, the modes' order alternating (A B, B A, A B, ...) so
+a machine that drifts slower or faster over minutes weighs on both alike; per concurrency the summary keeps each
+repeat's first-mode / second-mode output tokens/s ratio and their median (`ratios`), the figure to quote.
 """
 from __future__ import annotations
 
@@ -102,15 +106,22 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> 
 
 
 def table(s: dict) -> str:
-    lines = ["| server | mode | concurrency | mean batch | requests/s | output tokens/s | TTFT p50 s | ITL mean ms "
-             "| e2e p50 s | e2e p90 s | e2e p99 s | acceptance |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| server | mode | concurrency | repeat | mean batch | requests/s | output tokens/s | TTFT p50 s "
+             "| ITL mean ms | e2e p50 s | e2e p90 s | e2e p99 s | acceptance |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in s["levels"]:
-        lines.append(f"| {r.get('server', '')} | {r['mode']} | {r['concurrency']} | {r.get('mean_batch_size', 1):.1f} "
+        lines.append(f"| {r.get('server', '')} | {r['mode']} | {r['concurrency']} | {r.get('repeat', 0) + 1} "
+                     f"| {r.get('mean_batch_size', 1):.1f} "
                      f"| {r['requests_per_second']:.2f} | "
                      f"{r['output_tokens_per_second']:.1f} | {r['ttft_p50_s']:.2f} | {r['itl_mean_s'] * 1000:.1f} | "
                      f"{r['e2e_p50_s']:.2f} | {r['e2e_p90_s']:.2f} | {r['e2e_p99_s']:.2f} | "
                      f"{r['acceptance_rate']:.2f} |")
+    modes = list(dict.fromkeys(r["mode"] for r in s["levels"]))
+    for server in dict.fromkeys(x["server"] for x in s.get("ratios", [])):
+        lines.append(f"\n{server}: {modes[0]} / {modes[1]} output tokens/s, median of {s['repeats']} paired "
+                     "repeat(s) (each repeat's ratio in brackets): " + "; ".join(
+                         f"{x['concurrency']} clients {x['median']:.2f}x ({', '.join(f'{v:.2f}' for v in x['ratios'])})"
+                         for x in s["ratios"] if x["server"] == server))
     for mode, o in s["overhead"].items():
         lines.append(f"\n{mode}: local generate {o['local_tokens_per_second']:.1f} tokens/s, through Triton at "
                      f"concurrency 1 {o['served_tokens_per_second']:.1f} tokens/s ({o['served_vs_local']:.2f}x); "
@@ -122,18 +133,39 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep(server, prompts: list[str], modes: list[str], levels: list[int], max_tokens: int, label: str) -> tuple:
-    """Every (concurrency, mode) level on one server; returns (rows, resident memory figures)."""
+def sweep(server, prompts: list[str], modes: list[str], levels: list[int], max_tokens: int, label: str,
+          repeats: int = 1) -> tuple:
+    """Every (concurrency, mode) level on one server, `repeats` times in alternating mode order; returns (rows,
+    resident memory figures)."""
     for mode in modes:  # warm-up at the highest concurrency: the engines' memory arenas reach their peak
         level(prompts, mode, max(levels), server, 16, label)
     rss0 = tree_rss_mb(server.proc.pid)
     rows = []
     for conc in levels:
-        for mode in modes:
-            print(f"[bench serve] {label}: {mode} at concurrency {conc}", file=sys.stderr, flush=True)
-            rows.append(level(prompts, mode, conc, server, max_tokens, label))
+        for k in range(repeats):
+            for mode in modes if k % 2 == 0 else modes[::-1]:
+                print(f"[bench serve] {label}: {mode} at concurrency {conc} (repeat {k + 1}/{repeats})",
+                      file=sys.stderr, flush=True)
+                rows.append({**level(prompts, mode, conc, server, max_tokens, label), "repeat": k})
     rss1 = tree_rss_mb(server.proc.pid)
     return rows, {"after_warmup": round(rss0, 1), "after_sweep": round(rss1, 1), "growth": round(rss1 / rss0 - 1, 4)}
+
+
+def paired_ratios(levels: list[dict], modes: list[str]) -> list[dict]:
+    """Per (server, concurrency): each repeat's modes[0] / modes[1] output tokens/s and their median."""
+    if len(modes) < 2:
+        return []
+    rate = {(r.get("server", ""), r["concurrency"], r.get("repeat", 0), r["mode"]): r["output_tokens_per_second"]
+            for r in levels}
+    out = []
+    for server, conc in dict.fromkeys((r.get("server", ""), r["concurrency"]) for r in levels):
+        reps = sorted({k for (s, c, k, _m) in rate if (s, c) == (server, conc)})
+        ratios = [round(rate[server, conc, k, modes[0]] / rate[server, conc, k, modes[1]], 3) for k in reps
+                  if (server, conc, k, modes[0]) in rate and (server, conc, k, modes[1]) in rate]
+        if ratios:
+            out.append({"server": server, "concurrency": conc, "ratios": ratios,
+                        "median": round(statistics.median(ratios), 3)})
+    return out
 
 
 def levels_arg(text: str, flag: str) -> list[int]:
@@ -152,6 +184,8 @@ def main(a) -> int:
 
     engines = Path(a.engines or "engines/default")
     levels = levels_arg(a.concurrency, "--concurrency")
+    if a.repeats < 1:
+        raise UserError(f"--repeats takes a positive integer, got {a.repeats}")
     reference = levels_arg(a.reference_concurrency, "--reference-concurrency") if a.max_batch else []
     modes = a.modes.split(",")
     prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
@@ -168,7 +202,7 @@ def main(a) -> int:
         cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
         print(f"[bench serve] starting Triton on {repo} ({label})", file=sys.stderr, flush=True)
         with TritonServer(cfg) as server:
-            rows, rss = sweep(server, prompts, modes, conc, a.max_new_tokens, label)
+            rows, rss = sweep(server, prompts, modes, conc, a.max_new_tokens, label, a.repeats)
         summary["levels"] += rows
         summary["server_rss_mb"][label] = rss
     summary["overhead"] = {}
@@ -183,6 +217,7 @@ def main(a) -> int:
                 "served_vs_local": round(served["output_tokens_per_second"] / local["tokens_per_second"], 3),
                 "same_text": served["texts"][:len(prompts)] == local["texts"]}
     summary["same_text_across_levels"] = same_text_across_levels(summary["levels"], len(prompts))
+    summary["repeats"], summary["ratios"] = a.repeats, paired_ratios(summary["levels"], modes)
     for r in summary["levels"]:
         r.pop("texts")
     summary["command"] = command()

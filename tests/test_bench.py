@@ -128,3 +128,31 @@ def test_draft_cost_ceiling():
     for d1 in (16.8, 13.3, 5.0, 1.0):
         assert ceiling(target, d1)[0] < 27.0 / d1
     assert ceiling(target, 0.0) == (round(8 * 27.0 / 36.0, 2), 7)
+
+
+def test_serve_repeats_pair_each_repeat_and_report_the_median(tmp_path):
+    """bench serve --repeats: each repeat's spork / plain ratio (the modes alternate order between repeats), their
+    median per (server, concurrency), rendered in the table; the plot takes the median row per concurrency."""
+    from bench.report import latency_plot
+    from bench.serve import paired_ratios, table
+
+    def row(server, mode, conc, rep, tps):
+        return {"server": server, "mode": mode, "concurrency": conc, "repeat": rep, "requests_per_second": 1.0,
+                "output_tokens_per_second": tps, "ttft_p50_s": 0.1, "itl_mean_s": 0.02, "e2e_p50_s": 3.0,
+                "e2e_p90_s": 3.5, "e2e_p99_s": 4.0, "acceptance_rate": 0.4, "mean_batch_size": conc}
+    levels = [row("b", "spork", 1, 0, 48.0), row("b", "plain", 1, 0, 40.0),
+              row("b", "plain", 1, 1, 50.0), row("b", "spork", 1, 1, 55.0),
+              row("b", "spork", 1, 2, 36.0), row("b", "plain", 1, 2, 40.0),
+              row("b", "spork", 4, 0, 100.0), row("b", "plain", 4, 0, 100.0),
+              row("r", "spork", 1, 0, 30.0)]  # a level without its pair: no ratio
+    ratios = paired_ratios(levels, ["spork", "plain"])
+    assert ratios == [{"server": "b", "concurrency": 1, "ratios": [1.2, 1.1, 0.9], "median": 1.1},
+                      {"server": "b", "concurrency": 4, "ratios": [1.0], "median": 1.0}]
+    assert paired_ratios(levels, ["spork"]) == []
+    s = {"levels": levels, "ratios": ratios, "repeats": 3, "overhead": {},
+         "server_rss_mb": {"b": {"after_warmup": 1.0, "after_sweep": 1.0, "growth": 0.0}}}
+    text = table(s)
+    assert "b: spork / plain output tokens/s, median of 3 paired repeat(s)" in text
+    assert "1 clients 1.10x (1.20, 1.10, 0.90); 4 clients 1.00x (1.00)" in text
+    assert "| b | plain | 1 | 2 | 1.0 |" in text  # the repeat column counts from 1
+    assert latency_plot(s, tmp_path / "serve.png").is_file()
