@@ -22,6 +22,7 @@ import torch
 
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
+from .drafters import drive
 from .draft_switch import DraftSwitch
 from .engines import SeqInput, chain_input
 from .errors import QueueFull, UserError
@@ -187,7 +188,9 @@ class EngineCore:
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
-        t0, drafting = time.perf_counter(), self.switch.propose(len(decoding))
+        # the switch decides (and learns from) only steps with a greedy request that would follow it
+        switched = any(r.drafter is not None and r.cfg.sampling.greedy for r in decoding)
+        t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
         drafts = self.propose(decoding, drafting)
         padded = self.engine.padded_batches
         counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
@@ -205,7 +208,8 @@ class EngineCore:
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
         committed = sum(self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
                         for r, d in zip(decoding, drafts))
-        self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0)
+        if switched:
+            self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0)
         self.prefill(prefilling)
         return done + self.retire([r for r in self.active if r.stop.reason is not None])
 
@@ -236,7 +240,7 @@ class EngineCore:
         (verifier.score_batch; its time shared among them); then each request's candidates for the allotment.
         `drafting`: the draft switch's choice for this step; a sampled request ignores it (its seeded draws depend
         on its trees, so they must not depend on timing or on the other requests)."""
-        plans = [self.plan(r, drafting) for r in reqs]
+        plans = self.plan(reqs, drafting)
         scores: dict[Request, Scored] = {}
         groups: dict[int, list[tuple[Request, Plan]]] = {}  # by verifier engine (a runtime's requests share one)
         for r, p in zip(reqs, plans):
@@ -250,14 +254,28 @@ class EngineCore:
         score_s = (time.perf_counter() - t) / max(len(scores), 1)
         return [self.draft(r, p, scores.get(r), score_s) for r, p in zip(reqs, plans)]
 
-    def plan(self, r: Request, drafting: bool) -> Plan:
+    def plan(self, reqs: list[Request], drafting: bool) -> list[Plan]:
+        """Each request's proposal. Model drafters (`proposing`) run together: each draft depth of every request is
+        ONE batched forward of the draft engine (drafters.drive; its time shared among them); the others propose
+        one by one."""
+        speculate = [(drafting or not r.cfg.sampling.greedy) and r.drafter is not None and r.sched.speculate()
+                     for r in reqs]
+        trees, seconds = {}, {}
+        for r, sp in zip(reqs, speculate):
+            if sp and not hasattr(r.drafter, "proposing"):
+                t = time.perf_counter()
+                trees[r] = r.drafter.propose(r.root, r.sched.shape())
+                seconds[r] = time.perf_counter() - t
+        batched = [r for r, sp in zip(reqs, speculate) if sp and r not in trees]
         t = time.perf_counter()
-        drafting = drafting or not r.cfg.sampling.greedy
-        speculate = drafting and r.drafter is not None and r.sched.speculate()
-        proposed = r.drafter.propose(r.root, r.sched.shape()) if speculate else DraftTree.root_only(r.root)
-        gate = r.spec.gate_tau > 0
-        scoring = speculate and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
-        return Plan(proposed, speculate, scoring, time.perf_counter() - t)
+        trees.update(zip(batched, drive([r.drafter.proposing(r.root, r.sched.shape()) for r in batched])))
+        seconds.update(dict.fromkeys(batched, (time.perf_counter() - t) / max(len(batched), 1)))
+        plans = []
+        for r, sp in zip(reqs, speculate):
+            gate = r.spec.gate_tau > 0
+            scoring = sp and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
+            plans.append(Plan(trees[r] if sp else DraftTree.root_only(r.root), sp, scoring, seconds.get(r, 0.0)))
+        return plans
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
         gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []

@@ -2,27 +2,32 @@
 
 Proposing costs every request host time (store lookups, the verifier, the scheduler), and at high load the
 allotment (scheduler.allot) may verify few or no nodes, or nodes whose expected gain the forward's cost model
-overrates. So the core measures both: per power-of-two bucket of the batch size, moving averages of committed tokens
-per second of the decode part of steps that proposed and of steps that did not. A step proposes when its bucket's
+overrates. So the core measures both: per power-of-two bucket of the batch size, committed tokens per second of
+the decode part of steps that proposed and of steps that did not, as decayed sums of tokens over decayed sums of
+seconds (a window of about 1 / (1 - DECAY) steps each: a step's committed tokens swing with what it accepted, and
+a 5-step moving average of per-step rates flipped the choice on that noise). A step proposes when its bucket's
 proposing steps have been at least as fast (or either is not measured yet) and proposing is not futile; every
 PROBE_EVERY-th step does the opposite, so both rates stay measured as load and text change. Futile: a step of
 FUTILE_BATCH or more requests whose allotment took no node marks that batch size and larger; any node taken clears
 it. A single request (batch 1) always proposes: its own scheduler's recovery decides there. Sampled requests
-ignore the switch (engine core): their seeded draws depend on their trees, which must not depend on timing.
+ignore the switch (engine core): their seeded draws depend on their trees, which must not depend on timing; a step
+whose requests are all plain or sampled neither asks the switch nor teaches it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost_model import bucket, ema
+from .cost_model import bucket
 
 FUTILE_BATCH = 4  # smallest batch whose empty allotment marks proposing futile
 PROBE_EVERY = 8  # every this many steps the switch does the opposite of its choice, to measure it
+DECAY = 0.95  # weight of the history per step measured (a window of about 20 steps of each kind)
 
 
 @dataclass
 class DraftSwitch:
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (batch bucket, proposed) -> tokens/s
+    sums: dict[tuple[int, bool], list[float]] = field(default_factory=dict)  # (batch bucket, proposed) ->
+    # [decayed committed tokens, decayed seconds]
     futile_at: int | None = None  # batch size from which proposing is futile
     steps: int = 0
 
@@ -37,11 +42,16 @@ class DraftSwitch:
             drafting is None or plain is None or drafting >= plain)
         return choice != (self.steps % PROBE_EVERY == 0)
 
+    @property
+    def rates(self) -> dict[tuple[int, bool], float]:
+        """(batch bucket, proposed) -> committed tokens per second."""
+        return {key: t / s for key, (t, s) in self.sums.items() if s > 0}
+
     def record(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
         """A decode step's committed tokens and seconds (proposals, forward, verification, commits)."""
         if batch >= 2 and seconds > 0:
-            key = (bucket(batch), proposed)
-            self.rates[key] = ema(self.rates.get(key), tokens / seconds)
+            acc = self.sums.setdefault((bucket(batch), proposed), [0.0, 0.0])
+            acc[0], acc[1] = acc[0] * DECAY + tokens, acc[1] * DECAY + seconds
 
     def allotted(self, offered: list[int]) -> None:
         """The allotment's node counts for the requests that offered nodes this step."""

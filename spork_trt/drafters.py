@@ -7,7 +7,9 @@
 
 Model drafters (a separate draft model, a quantized copy of the target, the target's first N layers) grow a
 dynamic tree: per depth, the top-K children of every node of the previous depth, keeping the K with the highest
-cumulative draft probability (within the node budget); one batched draft forward per depth. The n-gram drafter
+cumulative draft probability (within the node budget); one draft forward per depth. `proposing` is the same
+proposal as a generator of its forwards, so the engine core runs every request's draft forwards of a depth as ONE
+batched forward (`drive`). The n-gram drafter
 looks the recent suffix up in prompt + output; distinct continuations become forks. The store drafter adds forks
 from a datastore of the target's own generations where the context has too few. The hybrid drafter uses
 the n-gram drafter when the context repeats itself and a model drafter otherwise.
@@ -15,6 +17,7 @@ the n-gram drafter when the context repeats itself and a model drafter otherwise
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,7 +25,7 @@ import torch
 
 from .config import SamplingConfig, SpecConfig
 from .datastore import KEY, Datastore
-from .engines import forward_chain, prefill
+from .engines import SeqInput, chain_input, prefill
 from .sampling import processed_probs
 from .tree import DraftTree, covered
 from .verify import Verdict
@@ -51,6 +54,9 @@ class ModelDrafter:
     # a self-draft (the target quantized, or its first layers) takes the target's prompt KV rows instead of running
     # the prompt itself: exact for early exit, close for a quantized copy; only draft quality depends on it
     share_prompt: bool = False
+    # the engine that runs batched forwards over many drafters' caches (one per runtime and draft, so its staging
+    # buffers follow the same requests step after step); None: this drafter's own engine
+    batcher: object = None
     behind: list[int] = field(default_factory=list)
     rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
 
@@ -63,19 +69,32 @@ class ModelDrafter:
         self.behind, self.rows = [], {}
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
-        eng = self.engine
-        base = eng.length
-        run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
-        logits = forward_chain(eng, run, last=True)  # [1, V]
-        self.rows = {0: len(run) - 1}
-        return grow_tree(root, logits, spec, self.sampling, self.gen,
-                         lambda level, tokens, parents: self.forward_level(level, tokens, parents, base))
+        return drive([self.proposing(root, spec)])[0]
 
-    def forward_level(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> torch.Tensor:
-        """Run one depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors."""
-        mask, depth = level_mask(level, parents, self.rows, base, self.engine.pending)
-        pos = torch.tensor([[base + self.rows[0] + d for d in depth]])
-        return self.engine.forward(torch.tensor([[tokens[n] for n in level]]), pos, mask)[0]
+    def proposing(self, root: int, spec: SpecConfig) -> Proposing:
+        """The proposal as a generator: yields (engine, SeqInput) per draft forward, is sent its logits [r, V],
+        returns the tree."""
+        eng = self.batcher or self.engine
+        base = self.engine.length
+        run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
+        logits = yield eng, chain_input(self.engine.cache, run, (len(run) - 1,))  # [1, V]
+        self.rows = {0: len(run) - 1}
+        growing = grow_steps(root, logits, spec, self.sampling, self.gen)
+        try:
+            level, tokens, parents = next(growing)
+            while True:
+                logits = yield eng, self.level_input(level, tokens, parents, base)  # [len(level), V]
+                level, tokens, parents = growing.send(logits)
+        except StopIteration as done:
+            return done.value
+
+    def level_input(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> SeqInput:
+        """One depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors' rows."""
+        pending = self.engine.pending
+        mask, depth = level_mask(level, parents, self.rows, base, pending)  # [1, L, base + pending + L]
+        return SeqInput(self.engine.cache, tuple(tokens[n] for n in level),
+                        tuple(base + self.rows[0] + d for d in depth), mask[0, :, base + pending:],
+                        seen=mask[0, :, base:base + pending])
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         if not self.rows:  # no proposal this step: the committed tokens are all still to run
@@ -109,12 +128,54 @@ def level_mask(level: list[int], parents: list[int], rows: dict[int, int], base:
     return mask, depth
 
 
+# a model drafter's proposal: yields (engine, SeqInput) per draft forward, is sent its logits, returns the tree
+Proposing = Generator[tuple[object, SeqInput], torch.Tensor, DraftTree]
+
+
+def drive(proposals: list[Proposing]) -> list[DraftTree]:
+    """Run proposals together: each round, the forwards they ask of one engine run as ONE batched forward
+    (`forward_batch`); a proposal that needs fewer depths finishes early. Returns their trees in order."""
+    trees: list[DraftTree | None] = [None] * len(proposals)
+    asks: dict[int, tuple[object, SeqInput]] = {}
+
+    def advance(i: int, logits: torch.Tensor | None) -> None:
+        try:
+            asks[i] = proposals[i].send(logits)
+        except StopIteration as done:
+            trees[i] = done.value
+
+    for i in range(len(proposals)):
+        advance(i, None)
+    while asks:
+        current, groups = dict(asks), {}
+        asks.clear()
+        for i, (eng, seq) in current.items():
+            groups.setdefault(id(eng), (eng, []))[1].append((i, seq))
+        for eng, items in groups.values():
+            for (i, _), logits in zip(items, eng.forward_batch([seq for _, seq in items])):
+                advance(i, logits)
+    return trees
+
+
 def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: SamplingConfig, gen: torch.Generator,
               forward_level, ids: torch.Tensor | None = None) -> DraftTree:
+    """`grow_steps` with forward_level(level, tokens, parents) -> [len(level), V] running each depth."""
+    growing = grow_steps(root, logits, spec, sampling, gen, ids)
+    try:
+        ask = next(growing)
+        while True:
+            ask = growing.send(forward_level(*ask))
+    except StopIteration as done:
+        return done.value
+
+
+def grow_steps(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: SamplingConfig, gen: torch.Generator,
+               ids: torch.Tensor | None = None) -> Generator[tuple, torch.Tensor, DraftTree]:
     """A model drafter's dynamic tree: per depth, the top-K children of every node of the previous depth, keeping
     the K with the highest cumulative draft probability (within the node budget). `logits` [1, V]: the draft's
-    distribution after the root; forward_level(level, tokens, parents) -> [len(level), V] runs one depth. Greedy
-    drafts may come over a smaller vocabulary: `ids` [N] maps its indices to token ids (logits [*, N])."""
+    distribution after the root; yields (level, tokens, parents) for each depth to run and is sent its logits
+    [len(level), V]; returns the tree. Greedy drafts may come over a smaller vocabulary: `ids` [N] maps its indices
+    to token ids (logits [*, N])."""
     tokens, parents, logp, q_rows, score = [root], [-1], [0.0], [None], [1.0]
     level = [0]
     for depth in range(1, spec.tree_depth + 1):
@@ -135,7 +196,7 @@ def grow_tree(root: int, logits: torch.Tensor, spec: SpecConfig, sampling: Sampl
             q_rows.append(q)
         if not level or depth == spec.tree_depth or len(tokens) - 1 >= spec.tree_budget:
             break
-        logits = forward_level(level, tokens, parents)  # [len(level), V]
+        logits = yield level, tokens, parents  # [len(level), V]
     q = None
     if not sampling.greedy and len(tokens) > 1:
         q = torch.stack([torch.zeros_like(q_rows[1]) if r is None else r for r in q_rows])  # [N, V]
@@ -240,8 +301,13 @@ class HybridDrafter:
         self.model.reset(prompt_ids, max_len, target)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        return drive([self.proposing(root, spec)])[0]
+
+    def proposing(self, root: int, spec: SpecConfig) -> Proposing:
         tree = self.ngram.propose(root, spec)
-        return tree if len(tree) > 1 else self.model.propose(root, self.model_spec)
+        if len(tree) > 1:
+            return tree
+        return (yield from self.model.proposing(root, self.model_spec))
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.ngram.commit(tree, verdict)

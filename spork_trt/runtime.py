@@ -50,6 +50,7 @@ class Runtime:
     verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
+    draft_batchers: dict[str, object] = field(default_factory=dict)  # per draft kind: runs the batched draft forwards
     store: Datastore | None = None  # the build's datastore of the target's own text (--draft store)
     # the build's learned draft head, the target's embeddings and the head's ONNX step or None (--draft eagle)
     head: tuple | None = None
@@ -155,6 +156,15 @@ class Runtime:
                 self.draft_engines[name] = self.build_draft_engine(*parse_draft(name, self.cfg.n_layers))
             return self.draft_engines[name]
 
+    def draft_batcher(self, name: str):
+        """The engine that runs every request's draft forwards of `name` as one batch (the engine core's drive):
+        a copy of the draft engine that holds no sequence, built once, apart from the verifier's (each engine
+        keeps its own staging buffers, which follow the same requests' caches step after step)."""
+        with self._lock:
+            if name not in self.draft_batchers:
+                self.draft_batchers[name] = self.draft_engines[name].fresh()
+            return self.draft_batchers[name]
+
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
         """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`. Every
         verifier shares this runtime's one early-exit engine (it holds no sequence: each forward runs on the
@@ -182,7 +192,7 @@ class Runtime:
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
         seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
         return ModelDrafter(self.draft_engine(name).fresh(), sampling, make_generator(seed),
-                            share_prompt=kind in (*SELF_DRAFTS, "early-exit"))
+                            share_prompt=kind in (*SELF_DRAFTS, "early-exit"), batcher=self.draft_batcher(name))
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                 spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> Request:

@@ -42,9 +42,19 @@ def drafter(tiny, kind: str, draft: str, sampling: SamplingConfig):
         return None
     if draft == "ngram":
         return NgramDrafter(4)
-    eng = TorchEngine(model, exit_layer=1) if kind == "torch" else OnnxEngine(early, model.cfg, n_layers=1)
+    eng = early_engine(tiny, kind)
     seed = None if sampling.seed is None else sampling.seed + 1
-    return ModelDrafter(eng, sampling, make_generator(seed), share_prompt=True)
+    # one batcher per engine kind, as a runtime has: the core runs every request's draft depth in one forward
+    batcher = BATCHERS.setdefault((id(early), kind), early_engine(tiny, kind))
+    return ModelDrafter(eng, sampling, make_generator(seed), share_prompt=True, batcher=batcher)
+
+
+BATCHERS: dict = {}
+
+
+def early_engine(tiny, kind: str):
+    model, _, early = tiny
+    return TorchEngine(model, exit_layer=1) if kind == "torch" else OnnxEngine(early, model.cfg, n_layers=1)
 
 
 def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig()) -> Request:
@@ -120,6 +130,40 @@ def test_batched_requests_equal_each_request_alone(tiny, kind):
     assert any(core.odds.values())
 
 
+@pytest.mark.parametrize("kind", ["torch", "onnx"])
+def test_model_drafters_propose_together_what_they_propose_alone(tiny, kind):
+    """drive: three drafters' catch-up chains and tree depths run as one forward per depth (each depth sees the
+    committed rows, its chain and only its own ancestors' pending rows: SeqInput.seen); trees, scores and the rows
+    they leave equal each drafter proposing alone, over two rounds with commits between."""
+    from spork_trt.drafters import drive
+    from spork_trt.verify import Verdict
+
+    spec = SpecConfig(tree_width=2, tree_depth=3, tree_budget=5)
+    batcher = early_engine(tiny, kind)
+    sets = [[ModelDrafter(early_engine(tiny, kind), SamplingConfig(), make_generator(None),
+                          batcher=batcher if together else None) for _ in range(3)] for together in (True, False)]
+    for ds in sets:
+        for d, p in zip(ds, PROMPTS):
+            d.reset(p, 64)
+    roots = [4, 8, 2]
+    for rnd in range(2):
+        got = drive([d.proposing(r, spec) for d, r in zip(sets[0], roots)])
+        want = [d.propose(r, spec) for d, r in zip(sets[1], roots)]
+        for g, w in zip(got, want):
+            assert (g.tokens, g.parents) == (w.tokens, w.parents) and len(g) > 1
+            assert torch.allclose(torch.tensor(g.score), torch.tensor(w.score), atol=1e-4)
+        for a, b in zip(*sets):
+            assert a.engine.pending == b.engine.pending and a.rows == b.rows
+            c, rows = a.engine.cache, list(range(a.engine.length + a.engine.pending))
+            ka, kb = (torch.as_tensor(x.engine.cache.k).index_select(c.axis, torch.tensor(rows)) for x in (a, b))
+            assert torch.allclose(ka, kb, atol=1e-5)
+        for ds in sets:  # the first child and its first child accepted, one bonus token: behind stays empty
+            for d, tree, r in zip(ds, want, roots):
+                path = [0, 1] + [i for i in range(2, len(tree)) if tree.parents[i] == 1][:1]
+                d.commit(tree, Verdict(tuple(path), tuple(tree.tokens[i] for i in path[1:]), r))
+        roots = [r + rnd + 1 for r in roots]
+
+
 def test_sampled_requests_draw_the_same_tokens_batched_as_alone(tiny):
     sampling = [SamplingConfig(temperature=0.9, top_p=0.95, seed=s) for s in (1, 2, 3)]
     alone = [EngineCore(engine(tiny, "torch"), 256, CoreConfig(max_len=96)) for _ in range(3)]
@@ -162,7 +206,7 @@ def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny):
     want = [generate(engine(tiny, "torch"), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
     core = EngineCore(engine(tiny, "torch"), 256, CoreConfig(slots=5, max_len=96))
-    core.switch.rates = {(k, True): 1.0 for k in range(4)} | {(k, False): 2.0 for k in range(4)}
+    core.switch.sums = {(k, True): [1.0, 1.0] for k in range(4)} | {(k, False): [2.0, 1.0] for k in range(4)}
     core.switch.record = lambda *a: None  # keep the measurement
     reqs = [request(tiny, "torch", i, "ngram") for i in range(5)]
     calls = []

@@ -3,8 +3,9 @@
 Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines follow it):
   make_pool(slots, max_len) -> KVPool              one preallocated buffer pair, a cache view per slot
   forward_batch([SeqInput]) -> [logits [r_b, V]]   a ragged batch: each sequence's new tokens after every row its
-                                                   cache holds (committed + pending), with its tree's own [n, n]
-                                                   ancestor mask; appends n_b pending rows to each cache and
+                                                   cache holds (committed + pending; `seen` may narrow the pending
+                                                   rows each token attends: a model drafter's tree depths), with
+                                                   its tree's own [n, n] ancestor mask; appends n_b pending rows to each cache and
                                                    returns logits at the rows it asks for (`logit_rows`; all by
                                                    default). One forward for all of them (the engine pads to
                                                    [B, T], or packs the tokens: `padded_batches`; the LM head
@@ -44,6 +45,9 @@ class SeqInput:
     positions: tuple[int, ...]  # [n]
     ancestors: torch.Tensor  # [n, n] bool: row i may attend new token j (itself and its ancestors)
     logit_rows: tuple[int, ...] | None = None  # rows (of the n) whose logits are wanted, ascending; None: all
+    # [n, pending] bool: which of the cache's pending rows each new token attends (None: all of them). A model
+    # drafter's depth sees only its own ancestors' rows among the tree levels it wrote before.
+    seen: torch.Tensor | None = None
 
     @property
     def rows(self) -> list[int]:
@@ -54,9 +58,10 @@ class SeqInput:
         return self.cache.length + self.cache.pending
 
     def mask(self) -> torch.Tensor:
-        """[1, n, context + n]: every context row, then the tree's own ancestors."""
-        n = len(self.tokens)
-        return torch.cat([torch.ones(n, self.context, dtype=torch.bool), self.ancestors], dim=1)[None]
+        """[1, n, context + n]: every committed row, the pending rows `seen`, then the tree's own ancestors."""
+        n, c = len(self.tokens), self.cache
+        seen = torch.ones(n, c.pending, dtype=torch.bool) if self.seen is None else self.seen
+        return torch.cat([torch.ones(n, c.length, dtype=torch.bool), seen, self.ancestors], dim=1)[None]
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class Padded:
         for i, s in enumerate(seqs):
             n, at = len(s.tokens), ctx[i] if absolute else p  # at: the column of the first new token
             mask[i, :n, :ctx[i]] = True
+            if s.seen is not None:
+                mask[i, :n, s.cache.length:ctx[i]] = s.seen
             mask[i, :n, at:at + n] = s.ancestors
             mask[i, n:, 0] |= absolute
         if packed:
