@@ -37,15 +37,20 @@ class DraftSwitch:
         if batch < 2:
             return True
         k = bucket(batch)
-        drafting, plain = self.rates.get((k, True)), self.rates.get((k, False))
+        drafting, plain = self.rate((k, True)), self.rate((k, False))
         choice = (self.futile_at is None or batch < self.futile_at) and (
             drafting is None or plain is None or drafting >= plain)
         return choice != (self.steps % PROBE_EVERY == 0)
 
+    def rate(self, key: tuple[int, bool]) -> float | None:
+        """Committed tokens per second of (batch bucket, proposed) steps; None until one is measured."""
+        t, s = self.sums.get(key, (0.0, 0.0))
+        return t / s if s > 0 else None
+
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
-        """(batch bucket, proposed) -> committed tokens per second."""
-        return {key: t / s for key, (t, s) in self.sums.items() if s > 0}
+        """Every measured (batch bucket, proposed) -> committed tokens per second."""
+        return {key: self.rate(key) for key in self.sums if self.rate(key) is not None}
 
     def record(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
         """A decode step's committed tokens and seconds (proposals, forward, verification, commits)."""
