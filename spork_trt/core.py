@@ -318,7 +318,7 @@ class EngineCore:
             if r.observe is not None:
                 r.observe(d.proposed, d.scored, verdict.renumber(keep))
             r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
-                           d.score_s if d.scored is not None else None)
+                           d.score_s if d.scored is not None else None, d.proposed)
         r.root = verdict.bonus
         emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
              accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))

@@ -3,11 +3,11 @@
 Scores (cheap, online; the engine core pools them per drafter over its requests): P(node accepted | parent
 accepted) per (depth, sibling rank), and per (depth, rank, strength) where strength buckets the drafter's own
 score of the node (its matched suffix length for the n-gram and store drafters, its probability for model
-drafters), kept as decayed counts of the target's verdicts; a (depth, rank, strength) estimate starts from its
-(depth, rank) one (STRENGTH_PRIOR pseudo counts) and moves with its own verdicts. A node's path survival is the
-product along its path. Costs: the engine core's
-CostModel (seconds of a target forward by the tokens it runs, all requests together) and moving averages of tokens
-per second of speculative and plain steps. Each step:
+drafters), kept as decayed counts of the target's verdicts over every proposed node whose parent lies on the
+committed path, verified or not (`learn`); a (depth, rank, strength) estimate starts from its (depth, rank) one
+(STRENGTH_PRIOR pseudo counts) and moves with its own verdicts. A node's path survival is the product along its
+path. Costs: the engine core's CostModel (seconds of a target forward by the tokens it runs, all requests
+together) and moving averages of tokens per second of speculative and plain steps. Each step:
   - prune (greedy only): each request offers its nodes most likely first (`candidates`: sorted by path survival, so
     every node's parent comes first); `allot` sizes every request's tree for the ONE target forward of the step so
     that expected committed tokens per second of it is highest (goodput; a padded [B, T] forward costs B times its
@@ -16,7 +16,7 @@ per second of speculative and plain steps. Each step:
   - depth: level 2 recovery halves it after a step with nothing accepted, a success doubles it back;
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again (a step whose allotment kept no node is a
-    plain step: neither a failure nor a reason to halve the depth);
+    plain step: neither a failure, nor a speculative step's rate, nor a reason to halve the depth);
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -192,25 +192,21 @@ class Scheduler:
         return keep
 
     def record(self, tree: DraftTree, verdict: Verdict, speculated: bool, propose_s: float,
-               verify_s: float, score_s: float | None = None) -> None:
-        """`tree` as verified; `verdict` over its indices; `score_s`: the verifier's time, when it ran."""
+               verify_s: float, score_s: float | None = None, proposed: DraftTree | None = None) -> None:
+        """`tree` as verified; `verdict` over its indices; `score_s`: the verifier's time, when it ran; `proposed`:
+        the drafter's whole tree (default: `tree`), whose nodes the allotment dropped teach the odds too (learn)."""
         n = len(tree)
         if score_s is not None and n > 1:
             self.scored(score_s, len(verdict.accepted) / (n - 1), n)
         committed = len(verdict.accepted) + 1
-        self.rate[speculated] = ema(self.rate.get(speculated), committed / max(propose_s + verify_s, 1e-9))
         if not speculated:
+            self.rate[False] = ema(self.rate.get(False), committed / max(propose_s + verify_s, 1e-9))
             self.cooling = max(0, self.cooling - 1)
             return
-        if n == 1:  # the allotment kept no node (load, low odds): a plain step, not a failed proposal
+        self.learn(proposed or tree, [*verdict.accepted, verdict.bonus])
+        if n == 1:  # the allotment kept no node (load, low odds): a plain step, not a speculative one nor a failure
             return
-        on_path, (depth, rank), strength = set(verdict.path), features(tree), strengths(tree)
-        for i in range(1, n):  # each node whose parent was accepted was a fair test of its (depth, rank, strength)
-            if tree.parents[i] in on_path:
-                keys = [(depth[i], rank[i])] + ([] if strength[i] is None else [(depth[i], rank[i], strength[i])])
-                for key in keys:
-                    odds = self.odds.setdefault(key, [0.0, 0.0])
-                    odds[0], odds[1] = odds[0] * DECAY + (i in on_path), odds[1] * DECAY + 1
+        self.rate[True] = ema(self.rate.get(True), committed / max(propose_s + verify_s, 1e-9))
         accepted = len(verdict.accepted)
         self.recent = ema(self.recent, accepted)
         self.failures = 0 if accepted else self.failures + 1
@@ -218,10 +214,28 @@ class Scheduler:
             self.depth = min(self.spec.tree_depth, self.depth * 2) if accepted else max(1, self.depth // 2)
         # timing decides only under greedy decoding, where no decision can change the output: a sampled request
         # draws the same tokens whatever the load (its draws depend on the trees it verified)
-        slower = self.adaptive and self.greedy and self.rate.get(False, 0.0) > self.rate[True] and n > 1
+        slower = self.adaptive and self.greedy and self.rate.get(False, 0.0) > self.rate[True]
         if self.failures >= self.spec.fail_limit or slower:
             self.failures, self.cooling = 0, self.spec.cooldown
             self.fallbacks += 1
+
+    def learn(self, tree: DraftTree, committed: list[int]) -> None:
+        """Acceptance odds from one step: every node whose parent lies on the committed path is a fair test of its
+        (depth, rank, strength), verified or not: it is accepted iff its token is the one committed at its depth
+        (`committed`: the accepted tokens, then the target's own). So a node the allotment dropped teaches as much as
+        one it verified; learning from verified nodes only, odds that fell too low to be verified never rose again
+        (under load no node was verified for the rest of the text)."""
+        (depth, rank), strength = features(tree), strengths(tree)
+        on_path = [True]  # [N] the node's tokens from the root are the committed ones
+        for i in range(1, len(tree)):
+            fair = on_path[tree.parents[i]] and depth[i] <= len(committed)
+            hit = fair and tree.tokens[i] == committed[depth[i] - 1]
+            on_path.append(hit)
+            if fair:
+                keys = [(depth[i], rank[i])] + ([] if strength[i] is None else [(depth[i], rank[i], strength[i])])
+                for key in keys:
+                    odds = self.odds.setdefault(key, [0.0, 0.0])
+                    odds[0], odds[1] = odds[0] * DECAY + hit, odds[1] * DECAY + 1
 
     def scored(self, score_s: float, acceptance: float, n: int) -> None:
         """After a verified step the verifier scored: move tau, weigh the verifier's cost against its saving."""

@@ -97,6 +97,26 @@ def test_a_step_whose_allotment_kept_no_node_is_not_a_failure():
     assert s.speculate() and s.fallbacks == 0 and s.failures == 0 and s.depth == 4 and s.odds == {}
 
 
+def test_nodes_the_allotment_dropped_still_teach_the_odds():
+    """Every proposed node whose parent is on the committed path is a fair test, verified or not: a child of the
+    root the allotment dropped is accepted iff it is the target's own token. Learning from verified nodes only,
+    odds once too low to be verified never rose again: here they recover and the node is verified once more."""
+    s = sched()
+    s.costs.set({0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6})  # a node is worth verifying at about 0.2 survival or more
+    s.odds = {(1, 0): [0.0, 30.0], (1, 1): [0.0, 30.0]}  # learned on text where the drafts were wrong
+    assert s.prune(TREE, greedy=True) == [0]
+    root = DraftTree.root_only(0)
+    for _ in range(40):  # plain steps (nothing verified) whose committed tokens are the first child's: 10, 12
+        s.record(root, Verdict((0,), (), 10), True, 0.0, 0.01, proposed=TREE)
+    assert s.odds[(1, 0)][0] > 20 and s.odds[(1, 1)][0] == 0.0  # node 1 (token 10) hit, node 2 (11) missed
+    assert (2, 0) not in s.odds  # below the committed path (one token deep) nothing is known
+    assert s.prune(TREE, greedy=True)[:2] == [0, 1]
+    # one deeper: a step verifying node 1 (accepted) whose bonus, 12, is node 3 (dropped) tests node 1's children
+    s.record(TREE.subtree([0, 1]), Verdict((0, 1), (10,), 12), True, 0.0, 0.01, proposed=TREE)
+    assert s.odds[(2, 0)] == [1.0, 1.0] and s.odds[(2, 1)] == [0.0, 1.0]
+    assert s.failures == 0 and s.fallbacks == 0
+
+
 def test_allot_shares_one_forward_by_goodput():
     """Across requests the most likely nodes win; with a flat cost every node is taken, with a steep one none, and
     one request alone gets what `prune` keeps for it."""
