@@ -170,6 +170,14 @@ def test_engine_interface_invariants(tiny, plain, make):
     engine.commit()
     out = engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
     assert (out - full[8:]).abs().max() < 1e-4
+    if make != "torch":  # a new cache (fresh buffers): the rows land there, not in the buffers bound before
+        old = engine.cache.k
+        engine.reset(64)
+        engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[6])
+        engine.commit()
+        assert engine.cache.k is not old and engine.cache.length == 7 and engine.cache.k.any()
+        rows = (slice(None), 0, slice(None), slice(0, 7)) if engine.gqa else (slice(None), 0, slice(0, 7))
+        assert abs(engine.cache.k[rows] - old[rows]).max() < 1e-5
 
 
 @pytest.mark.parametrize("draft", ["int8", "early", "early-plain"])

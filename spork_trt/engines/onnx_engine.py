@@ -45,6 +45,9 @@ def provider_options(providers: tuple[str, ...], model: Path) -> list[dict[str, 
     return [trt if p == "TensorrtExecutionProvider" else {} for p in providers]
 
 
+SEQUENCE = -1  # kv_bindings key of the one-sequence path (stagings are keyed by their id)
+
+
 class OnnxEngine(CachedEngine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
                  session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",),
@@ -78,6 +81,10 @@ class OnnxEngine(CachedEngine):
         self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
         # past rows of batched forwards (two: the step's tree batch and its prefill batch keep their own)
         self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim, bnsh=self.gqa) for _ in range(2)]
+        # GQA: IO bindings with every layer's KV buffers bound (about 120 bindings, ~0.5 ms a forward), kept while
+        # the buffers stay: one per staging (its buffer, batch size) and one for the one-sequence path (the cache
+        # it last ran): a forward rebinds only its token inputs and outputs. key -> (buffers, batch size, binding)
+        self.kv_bindings: dict[int, tuple[tuple[np.ndarray, ...], int, object]] = {}
 
     @property
     def cfg(self) -> ModelConfig:
@@ -144,11 +151,8 @@ class OnnxEngine(CachedEngine):
         # the op wants room for every sequence's padded chunk after its context: Pcap >= max(context) + T
         past = stage.past([s.cache for s in seqs], need=max(ctx) + t)  # [K|V, L, Bcap, Hkv, Pcap, D]
         lens = io_spec.gqa_feeds([len(s.tokens) for s in seqs], ctx, width)  # bound by address: alive until run
-        io, logits, feats = self._bind_batch(batch, lens)
-        for layer, (pk, pv, nk, nv) in enumerate(self.names):
-            for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
-                bind(io, pname, past[j, layer, :b])  # [B, Hkv, Pcap, D], appended in place
-                bind(io, nname, past[j, layer, :b], out=True)
+        io = self.kv_binding(id(stage), (past,), b, lambda layer, j: past[j, layer, :b])  # [B, Hkv, Pcap, D] each
+        io, logits, feats = self._bind_batch(batch, lens, io)
         self.session.run_with_iobinding(io)
         for i, s in enumerate(seqs):
             rows, c = slice(ctx[i], ctx[i] + len(s.tokens)), s.cache
@@ -156,12 +160,27 @@ class OnnxEngine(CachedEngine):
             c.v[:self.n_layers, 0, :, rows] = past[1, :, i, :, rows]
         return self._finish(seqs, batch, logits, feats, hidden)
 
-    def _bind_batch(self, batch: Padded, lens: dict[str, np.ndarray]):
-        """An IO binding with a batch's token inputs (and GQA's lengths) bound; its logits [R, V] and hidden
-        [B, T, k*C] (packed: [1, N, k*C]) or None outputs bound to scratch buffers.
+    def kv_binding(self, key: int, bufs: tuple[np.ndarray, ...], b: int, rows) -> object:
+        """GQA: an IO binding with every layer's K and V bound as both past and present, made once per (`bufs`,
+        `b`) under `key` and reused while they stay. `rows(layer, j)`: layer's K (j = 0) or V (j = 1) buffer
+        [b, Hkv, Smax, D], a view of `bufs`; the op appends each sequence's new rows in place."""
+        kept = self.kv_bindings.get(key)
+        if kept is not None and kept[1] == b and all(x is y for x, y in zip(kept[0], bufs)):
+            return kept[2]
+        io = self.session.io_binding()
+        for layer, (pk, pv, nk, nv) in enumerate(self.names):
+            for j, (pname, nname) in enumerate(((pk, nk), (pv, nv))):
+                bind(io, pname, rows(layer, j))
+                bind(io, nname, rows(layer, j), out=True)
+        self.kv_bindings[key] = (bufs, b, io)
+        return io
+
+    def _bind_batch(self, batch: Padded, lens: dict[str, np.ndarray], io=None):
+        """An IO binding (`io`, or a new one) with a batch's token inputs (and GQA's lengths) bound; its logits
+        [R, V] and hidden [B, T, k*C] (packed: [1, N, k*C]) or None outputs bound to scratch buffers.
         Binding is by address: the caller keeps `batch` and `lens` alive until the run."""
         b, t = batch.input_ids.shape  # [B, T] (packed: [1, N])
-        io = self.session.io_binding()
+        io = io or self.session.io_binding()
         feeds = {"input_ids": batch.input_ids.numpy(), "position_ids": batch.position_ids.numpy(),
                  "attention_mask": batch.mask.numpy(), "logit_rows": batch.logit_rows.numpy(), **lens}
         for name, arr in feeds.items():
@@ -215,7 +234,9 @@ class OnnxEngine(CachedEngine):
             at = np.zeros(1, dtype=np.int64)
         if len(at) > self.logits.shape[0]:
             self.logits = np.zeros((len(at), self._cfg.vocab_size), dtype=np.float32)
-        io = self.session.io_binding()
+        # GQA: the whole buffer is past and present (the op appends after row `past`), bound once per cache
+        io = (self.kv_binding(SEQUENCE, (c.k, c.v), 1, lambda layer, j: (c.k, c.v)[j][layer, 0][None]) if self.gqa
+              else self.session.io_binding())
         feeds = {"input_ids": np.ascontiguousarray(input_ids.numpy(), dtype=np.int64),
                  "position_ids": np.ascontiguousarray(position_ids.numpy(), dtype=np.int64),
                  "attention_mask": np.ascontiguousarray(mask.numpy(), dtype=np.bool_), "logit_rows": at}
@@ -223,14 +244,10 @@ class OnnxEngine(CachedEngine):
             feeds |= io_spec.gqa_feeds([t], [past], past + t)
         for name, arr in feeds.items():
             bind(io, name, arr)
-        for layer, (pk, pv, nk, nv) in enumerate(self.names):
-            for buf, pname, nname in ((c.k, pk, nk), (c.v, pv, nv)):
-                rows = buf[layer, 0]  # [Smax, Hkv, D] (GQA: [Hkv, Smax, D]), contiguous
-                if self.gqa:  # the whole buffer is past and present: the op appends after row `past`
-                    bind(io, pname, rows[None])
-                    bind(io, nname, rows[None], out=True)
-                else:
-                    bind_rows(io, rows, pname, nname, past, t)
+        if not self.gqa:
+            for layer, (pk, pv, nk, nv) in enumerate(self.names):
+                for buf, pname, nname in ((c.k, pk, nk), (c.v, pv, nv)):
+                    bind_rows(io, buf[layer, 0], pname, nname, past, t)  # [Smax, Hkv, D], contiguous
         logits = self.logits[:len(at)]  # [R, V]
         bind(io, "logits", logits, out=True)
         feats = self._bind_hidden(io, 1, t)  # [1, T, k*C] or None
