@@ -6,7 +6,12 @@ Each level sends max(limit, concurrency) requests from `concurrency` client thre
 burst per mode at the highest concurrency is excluded; it also brings the engines' memory arenas to their
 working-set peak, so the memory figures show growth per request, not the first peak. Per request: time to first
 text, end-to-end time, output tokens (steps x mean accepted length, from the response's stats). Per level, from
-the server's Prometheus metrics: the mean batch size (requests in a step, averaged over the level's steps). The
+the server's Prometheus metrics: the mean batch size (requests in a step, averaged over the level's steps).
+Output tokens/s is the level's tokens over its wall time, its tail included: once the last request is sent, fewer
+clients than `concurrency` have one in flight, and a mode whose requests vary more in length (speculation: each
+text's acceptance differs) spends longer there. So each level also reports the steady rate (`steady_level`): tokens
+streamed while every client had a request in flight (from the level's start to the first time a client found none
+left to send; each request's tokens by then from its streamed stats), when every client sent at least 2 requests. The
 server's resident memory (tritonserver plus its python stubs) is read after warm-up and after the sweep.
 
 `--repeats R` measures every (concurrency, mode) level R times, the modes' order alternating (A B, B A, A B, ...) so
@@ -19,6 +24,7 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,7 +53,22 @@ def one(prompt: str, cfg: ClientConfig) -> dict:
     return {"ttft_s": r.ttft_s, "e2e_s": r.time_s, "tokens": tokens,
             "itl_s": (r.time_s - r.ttft_s) / max(1, tokens - 1), "steps": r.stats["num_steps"],
             "accepted": r.stats["total_accepted_draft_tokens"], "drafted": r.stats["total_draft_tokens"],
-            "text": r.text}
+            "text": r.text, "client": threading.get_ident(), "start": r.start, "progress": r.progress}
+
+
+def steady_level(rows: list[dict], t0: float) -> float | None:
+    """Output tokens/s while every client had a request in flight: from `t0` (the level's start) to the end of the
+    earliest of the clients' last requests, each request's tokens counted as streamed by then (`progress`). None
+    when a client sent fewer than 2 requests (the window would be the start's prefill burst only)."""
+    per_client: dict[int, list[dict]] = {}
+    for r in rows:
+        per_client.setdefault(r["client"], []).append(r)
+    if min(len(v) for v in per_client.values()) < 2:
+        return None
+    last = [max(v, key=lambda r: r["start"]) for v in per_client.values()]  # each client's last request
+    end = min(r["start"] + r["e2e_s"] for r in last)
+    tokens = sum(max((n for dt, n in r["progress"] if r["start"] + dt <= end), default=0) for r in rows)
+    return round(tokens / (end - t0), 2) if end > t0 else None
 
 
 def core_counters(metrics_port: int) -> dict[str, float]:
@@ -69,6 +90,7 @@ def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, lab
     with ThreadPoolExecutor(conc) as pool:
         rows = list(pool.map(lambda p: one(p, cfg), work))
     wall = time.perf_counter() - t
+    steady = steady_level(rows, t)
     after = core_counters(server.cfg.metrics_port)
     steps = after["spork_steps_total"] - before["spork_steps_total"]
     batch = (after["spork_active_request_steps_total"] - before["spork_active_request_steps_total"]) / max(steps, 1)
@@ -78,6 +100,7 @@ def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, lab
             "mean_batch_size": round(batch, 2),
             "requests_per_second": round(n / wall, 3),
             "output_tokens_per_second": round(sum(r["tokens"] for r in rows) / wall, 2),
+            "steady_output_tokens_per_second": steady,
             "ttft_p50_s": round(pct([r["ttft_s"] for r in rows], 50), 3),
             "itl_mean_s": round(statistics.fmean(r["itl_s"] for r in rows), 4),
             "e2e_p50_s": round(pct(e2e, 50), 3), "e2e_p90_s": round(pct(e2e, 90), 3),
@@ -106,30 +129,34 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> 
 
 
 def table(s: dict) -> str:
-    lines = ["| server | mode | concurrency | repeat | mean batch | requests/s | output tokens/s | TTFT p50 s "
-             "| ITL mean ms | e2e p50 s | e2e p90 s | e2e p99 s | acceptance |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| server | mode | concurrency | repeat | mean batch | requests/s | output tokens/s | steady tokens/s "
+             "| TTFT p50 s | ITL mean ms | e2e p50 s | e2e p90 s | e2e p99 s | acceptance |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in s["levels"]:
+        steady = r.get("steady_output_tokens_per_second")
         lines.append(f"| {r.get('server', '')} | {r['mode']} | {r['concurrency']} | {r.get('repeat', 0) + 1} "
                      f"| {r.get('mean_batch_size', 1):.1f} "
                      f"| {r['requests_per_second']:.2f} | "
-                     f"{r['output_tokens_per_second']:.1f} | {r['ttft_p50_s']:.2f} | {r['itl_mean_s'] * 1000:.1f} | "
+                     f"{r['output_tokens_per_second']:.1f} | {'-' if steady is None else f'{steady:.1f}'} | "
+                     f"{r['ttft_p50_s']:.2f} | {r['itl_mean_s'] * 1000:.1f} | "
                      f"{r['e2e_p50_s']:.2f} | {r['e2e_p90_s']:.2f} | {r['e2e_p99_s']:.2f} | "
                      f"{r['acceptance_rate']:.2f} |")
     modes = list(dict.fromkeys(r["mode"] for r in s["levels"]))
-    for server in dict.fromkeys(x["server"] for x in s.get("ratios", [])):
-        lines.append(f"\n{server}: {modes[0]} / {modes[1]} output tokens/s, median of {s['repeats']} paired "
-                     "repeat(s) (each repeat's ratio in brackets): " + "; ".join(
-                         f"{x['concurrency']} clients {x['median']:.2f}x ({', '.join(f'{v:.2f}' for v in x['ratios'])})"
-                         for x in s["ratios"] if x["server"] == server))
+    for key, what in (("ratios", "output tokens/s"), ("steady_ratios", "steady tokens/s")):
+        for server in dict.fromkeys(x["server"] for x in s.get(key, [])):
+            lines.append(f"\n{server}: {modes[0]} / {modes[1]} {what}, median of {s['repeats']} paired repeat(s) "
+                         "(each repeat's ratio in brackets): " + "; ".join(
+                             f"{x['concurrency']} clients {x['median']:.2f}x "
+                             f"({', '.join(f'{v:.2f}' for v in x['ratios'])})"
+                             for x in s[key] if x["server"] == server))
     for mode, o in s["overhead"].items():
         lines.append(f"\n{mode}: local generate {o['local_tokens_per_second']:.1f} tokens/s, through Triton at "
                      f"concurrency 1 {o['served_tokens_per_second']:.1f} tokens/s ({o['served_vs_local']:.2f}x); "
                      f"same text: {o['same_text']}")
     rss = s["server_rss_mb"]
     for label, m in ({"": rss} if "after_warmup" in rss else rss).items():  # older summaries: one server
-        lines.append(f"\n{label + ' ' if label else ''}server resident memory: {m['after_warmup']:.0f} MB after warm-up, "
-                     f"{m['after_sweep']:.0f} MB after the sweep ({m['growth']:+.1%})")
+        lines.append(f"\n{label + ' ' if label else ''}server resident memory: {m['after_warmup']:.0f} MB after "
+                     f"warm-up, {m['after_sweep']:.0f} MB after the sweep ({m['growth']:+.1%})")
     return "\n".join(lines)
 
 
@@ -151,12 +178,13 @@ def sweep(server, prompts: list[str], modes: list[str], levels: list[int], max_t
     return rows, {"after_warmup": round(rss0, 1), "after_sweep": round(rss1, 1), "growth": round(rss1 / rss0 - 1, 4)}
 
 
-def paired_ratios(levels: list[dict], modes: list[str]) -> list[dict]:
-    """Per (server, concurrency): each repeat's modes[0] / modes[1] output tokens/s and their median."""
+def paired_ratios(levels: list[dict], modes: list[str], key: str = "output_tokens_per_second") -> list[dict]:
+    """Per (server, concurrency): each repeat's modes[0] / modes[1] `key` (output tokens/s, or the steady rate) and
+    their median (levels without a value are left out)."""
     if len(modes) < 2:
         return []
-    rate = {(r.get("server", ""), r["concurrency"], r.get("repeat", 0), r["mode"]): r["output_tokens_per_second"]
-            for r in levels}
+    rate = {(r.get("server", ""), r["concurrency"], r.get("repeat", 0), r["mode"]): r[key]
+            for r in levels if r.get(key) is not None}
     out = []
     for server, conc in dict.fromkeys((r.get("server", ""), r["concurrency"]) for r in levels):
         reps = sorted({k for (s, c, k, _m) in rate if (s, c) == (server, conc)})
@@ -218,6 +246,7 @@ def main(a) -> int:
                 "same_text": served["texts"][:len(prompts)] == local["texts"]}
     summary["same_text_across_levels"] = same_text_across_levels(summary["levels"], len(prompts))
     summary["repeats"], summary["ratios"] = a.repeats, paired_ratios(summary["levels"], modes)
+    summary["steady_ratios"] = paired_ratios(summary["levels"], modes, "steady_output_tokens_per_second")
     for r in summary["levels"]:
         r.pop("texts")
     summary["command"] = command()

@@ -48,6 +48,9 @@ class Reply:
     chunks: int = 0  # responses received
     ttft_s: float = 0.0  # time to the first non-empty text
     time_s: float = 0.0
+    start: float = 0.0  # time.perf_counter() when the request was sent
+    # per response carrying stats: (seconds since `start`, tokens generated so far: steps x mean accepted length)
+    progress: list[tuple[float, int]] = field(default_factory=list)
 
 
 OnText = Callable[[str], None]
@@ -79,6 +82,7 @@ class Collector:
 
     def __init__(self, on_text: OnText | None) -> None:
         self.reply, self.on_text, self.t0 = Reply(), on_text, time.perf_counter()
+        self.reply.start = self.t0
 
     def add(self, out: dict) -> None:
         text = out["text_output"]
@@ -87,7 +91,8 @@ class Collector:
             self.reply.ttft_s = time.perf_counter() - self.t0
         self.reply.text += text
         self.reply.chunks += 1
-        self.reply.stats = {k: float(out[k]) for k in STAT_NAMES}
+        self.reply.stats = st = {k: float(out[k]) for k in STAT_NAMES}
+        self.reply.progress.append((time.perf_counter() - self.t0, round(st["num_steps"] * st["mean_accepted_length"])))
         reason = out.get("stop_reason", b"")
         self.reply.stop_reason = reason.decode() if isinstance(reason, bytes) else str(reason)
         if self.on_text and text:

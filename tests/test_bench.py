@@ -156,3 +156,25 @@ def test_serve_repeats_pair_each_repeat_and_report_the_median(tmp_path):
     assert "1 clients 1.10x (1.20, 1.10, 0.90); 4 clients 1.00x (1.00)" in text
     assert "| b | plain | 1 | 2 | 1.0 |" in text  # the repeat column counts from 1
     assert latency_plot(s, tmp_path / "serve.png").is_file()
+    # the steady rate pairs the same way, levels without one (a client sent a single request) left out
+    for r, steady in zip(levels, (60.0, 50.0, None, None, 45.0, 50.0, 110.0, 100.0, None)):
+        r["steady_output_tokens_per_second"] = steady
+    s["steady_ratios"] = paired_ratios(levels, ["spork", "plain"], "steady_output_tokens_per_second")
+    assert s["steady_ratios"] == [{"server": "b", "concurrency": 1, "ratios": [1.2, 0.9], "median": 1.05},
+                                  {"server": "b", "concurrency": 4, "ratios": [1.1], "median": 1.1}]
+    text = table(s)
+    assert "b: spork / plain steady tokens/s, median of 3 paired repeat(s)" in text and "| 50.0 | 0.10 |" in text
+    assert "| 30.0 | - | 0.10 |" in text  # no steady rate: a dash
+
+
+def test_steady_rate_counts_the_tokens_streamed_while_every_client_was_busy():
+    """Two clients of two requests each; client 1's last request ends at 7 s (client 2's at 9 s): the window is
+    [0, 7], and a request's tokens are those its streamed stats reported by then."""
+    from bench.serve import steady_level
+
+    def req(client, start, e2e, progress):
+        return {"client": client, "start": start, "e2e_s": e2e, "progress": progress}
+    rows = [req(1, 0.0, 3.0, [(1.0, 10), (3.0, 30)]), req(1, 3.0, 4.0, [(2.0, 20), (4.0, 40)]),
+            req(2, 0.0, 5.0, [(2.5, 25), (5.0, 50)]), req(2, 5.0, 4.0, [(1.5, 15), (3.0, 30), (4.0, 40)])]
+    assert steady_level(rows, 0.0) == round((30 + 40 + 50 + 15) / 7.0, 2)  # 2nd of client 2: 15 by 6.5 s, 30 at 8 s
+    assert steady_level(rows[:3], 0.0) is None  # client 2 sent one request: no steady window
