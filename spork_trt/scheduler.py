@@ -198,15 +198,15 @@ class Scheduler:
         n = len(tree)
         if score_s is not None and n > 1:
             self.scored(score_s, len(verdict.accepted) / (n - 1), n)
-        committed = len(verdict.accepted) + 1
+        step_rate = (len(verdict.accepted) + 1) / max(propose_s + verify_s, 1e-9)  # committed tokens per second
         if not speculated:
-            self.rate[False] = ema(self.rate.get(False), committed / max(propose_s + verify_s, 1e-9))
+            self.rate[False] = ema(self.rate.get(False), step_rate)
             self.cooling = max(0, self.cooling - 1)
             return
-        self.learn(proposed or tree, [*verdict.accepted, verdict.bonus])
+        self.learn(tree if proposed is None else proposed, [*verdict.accepted, verdict.bonus])
         if n == 1:  # the allotment kept no node (load, low odds): a plain step, not a speculative one nor a failure
             return
-        self.rate[True] = ema(self.rate.get(True), committed / max(propose_s + verify_s, 1e-9))
+        self.rate[True] = ema(self.rate.get(True), step_rate)
         accepted = len(verdict.accepted)
         self.recent = ema(self.recent, accepted)
         self.failures = 0 if accepted else self.failures + 1
