@@ -78,14 +78,31 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     s = sched(fail_limit=2, cooldown=3)
     root = DraftTree.root_only(5)
     miss = TREE.subtree([0, 1])
-    for _ in range(2):
-        s.record(miss, Verdict((0,), (), 7), True, 0.0, 0.01)
+    for _ in range(2):  # proposing costs a third of each step (a draft model): failures count
+        s.record(miss, Verdict((0,), (), 7), True, 0.005, 0.01)
     assert not s.speculate() and s.fallbacks == 1
     for _ in range(3):
         s.record(root, Verdict((0,), (), 7), False, 0.0, 0.01)  # plain steps: 100 tokens/s
     assert s.speculate()
     s.record(miss, Verdict((0, 1), (10,), 7), True, 0.05, 0.01)  # 2 tokens in 60 ms: slower than plain
     assert not s.speculate() and s.fallbacks == 2
+
+
+def test_failures_of_a_cheap_drafter_do_not_switch_it_off():
+    """A drafter whose proposals cost under CHEAP_PROPOSAL of a step (n-gram, store) keeps proposing through any
+    run of failed steps while adaptive: the allotment pays only for the nodes its odds are worth, and a cooldown
+    hid the proposals that would have been accepted. The fixed shape verifies every node: failures still count."""
+    miss = TREE.subtree([0, 1])
+    s = sched(fail_limit=2, cooldown=3)
+    for _ in range(6):
+        s.record(miss, Verdict((0,), (), 7), True, 0.0002, 0.03)
+    assert s.speculate() and s.fallbacks == 0 and s.failures == 6 and not s.costly
+    s.record(miss, Verdict((0,), (), 7), True, 0.01, 0.03)  # proposals turn costly: the failures count again
+    assert not s.speculate() and s.fallbacks == 1
+    fixed = Scheduler(SpecConfig(adaptive=False, fail_limit=2, cooldown=3))
+    for _ in range(2):
+        fixed.record(miss, Verdict((0,), (), 7), True, 0.0002, 0.03)
+    assert not fixed.speculate() and fixed.fallbacks == 1
 
 
 def test_a_step_whose_allotment_kept_no_node_is_not_a_failure():
