@@ -17,8 +17,8 @@ together) and moving averages of tokens per second of speculative and plain step
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again (a step whose allotment kept no node is a
     plain step: neither a failure, nor a speculative step's rate, nor a reason to halve the depth). Failures
-    count only where proposing is costly (the fixed shape, or proposals over CHEAP_PROPOSAL of a step's time: a
-    draft model, the verifier): a cheap drafter's (n-gram, store) failed nodes cost what the allotment chose to
+    count only where proposing is costly (the fixed shape, sampling, or proposals over CHEAP_PROPOSAL of a step's
+    time: a draft model, the verifier): a cheap drafter's (n-gram, store) failed nodes cost what the allotment chose to
     pay for them, and its odds already steer the allotment away while they fail; a cooldown there only hid the
     proposals that would have been accepted (held-out prompts, batch 1: 1.26x -> 1.29x over plain);
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
@@ -143,9 +143,10 @@ class Scheduler:
 
     @property
     def costly(self) -> bool:
-        """Failed steps count toward level 3: every node is verified (the fixed shape) or proposing costs
-        CHEAP_PROPOSAL or more of a speculative step."""
-        return not self.adaptive or self.propose_share is None or self.propose_share >= CHEAP_PROPOSAL
+        """Failed steps count toward level 3: every node is verified (the fixed shape; sampling, whose draws must
+        not depend on timing) or proposing costs CHEAP_PROPOSAL or more of a speculative step."""
+        return (not self.adaptive or not self.greedy or self.propose_share is None
+                or self.propose_share >= CHEAP_PROPOSAL)
 
     def use_verifier(self, available: bool) -> bool:
         """Whether to score this speculative step with the verifier."""

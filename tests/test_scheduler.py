@@ -91,7 +91,7 @@ def test_level_3_fallback_after_failures_and_when_slower_than_plain():
 def test_failures_of_a_cheap_drafter_do_not_switch_it_off():
     """A drafter whose proposals cost under CHEAP_PROPOSAL of a step (n-gram, store) keeps proposing through any
     run of failed steps while adaptive: the allotment pays only for the nodes its odds are worth, and a cooldown
-    hid the proposals that would have been accepted. The fixed shape verifies every node: failures still count."""
+    hid the proposals that would have been accepted. The fixed shape and sampling still count failures."""
     miss = TREE.subtree([0, 1])
     s = sched(fail_limit=2, cooldown=3)
     for _ in range(6):
@@ -99,10 +99,12 @@ def test_failures_of_a_cheap_drafter_do_not_switch_it_off():
     assert s.speculate() and s.fallbacks == 0 and s.failures == 6 and not s.costly
     s.record(miss, Verdict((0,), (), 7), True, 0.01, 0.03)  # proposals turn costly: the failures count again
     assert not s.speculate() and s.fallbacks == 1
-    fixed = Scheduler(SpecConfig(adaptive=False, fail_limit=2, cooldown=3))
-    for _ in range(2):
-        fixed.record(miss, Verdict((0,), (), 7), True, 0.0002, 0.03)
-    assert not fixed.speculate() and fixed.fallbacks == 1
+    # the fixed shape verifies every node; a sampled request's draws must not depend on timing: failures count
+    for other in (Scheduler(SpecConfig(adaptive=False, fail_limit=2, cooldown=3)),
+                  Scheduler(SpecConfig(fail_limit=2, cooldown=3), greedy=False)):
+        for _ in range(2):
+            other.record(miss, Verdict((0,), (), 7), True, 0.0002, 0.03)
+        assert not other.speculate() and other.fallbacks == 1
 
 
 def test_a_step_whose_allotment_kept_no_node_is_not_a_failure():
