@@ -17,10 +17,10 @@ together) and moving averages of tokens per second of speculative and plain step
   - level 3: after `fail_limit` consecutive failed steps, or while measured speculative steps are slower than
     plain ones, decode plainly for `cooldown` steps, then probe again (a step whose allotment kept no node is a
     plain step: neither a failure, nor a speculative step's rate, nor a reason to halve the depth). Failures
-    count only where proposing is costly (the fixed shape, sampling, or proposals over CHEAP_PROPOSAL of a step's
-    time: a draft model, the verifier): a cheap drafter's (n-gram, store) failed nodes cost what the allotment chose to
-    pay for them, and its odds already steer the allotment away while they fail; a cooldown there only hid the
-    proposals that would have been accepted (held-out prompts, batch 1: 1.26x -> 1.29x over plain);
+    count only where proposing is costly (the fixed shape, sampling, or proposals over CHEAP_PROPOSAL of a
+    step's time: a draft model, the verifier): a cheap drafter's (n-gram, store) failed nodes cost what the
+    allotment chose to pay for them, and its odds already steer the allotment away while they fail; a cooldown
+    there only hid the proposals that would have been accepted (held-out prompts, batch 1: 1.24x -> 1.27x plain);
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
     the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
     "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
@@ -73,8 +73,9 @@ def allot(cands: list[Candidates], seconds: Callable[[int], float], max_tokens: 
     forward), within `max_tokens` tokens of forward.
 
     Speculating must beat the plain step's estimated rate by MARGIN. Packed forwards cost by their total tokens:
-    nodes are taken most likely first across all requests while the rate grows. Padded forwards ([B, T], every request padded to the longest tree) cost B * T whatever the shorter
-    trees hold: the longest allotment m is chosen, and every request gets its best min(m, its nodes), free."""
+    nodes are taken most likely first across all requests while the rate grows. Padded forwards ([B, T], every
+    request padded to the longest tree) cost B * T whatever the shorter trees hold: the longest allotment m is
+    chosen, and every request gets its best min(m, its nodes), free."""
     b = len(cands)
     counts = [len(c.order) if c.fixed else 0 for c in cands]
     gain = b + sum(sum(c.survival) for c in cands if c.fixed)
