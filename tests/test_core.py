@@ -57,9 +57,9 @@ def early_engine(tiny, kind: str):
     return TorchEngine(model, exit_layer=1) if kind == "torch" else OnnxEngine(early, model.cfg, n_layers=1)
 
 
-def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig()) -> Request:
+def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig(), adaptive: bool = True) -> Request:
     cfg = GenerateConfig(max_new_tokens=LENGTHS[i], sampling=sampling)
-    spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
+    spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram", adaptive=adaptive)
     return Request(PROMPTS[i], cfg, frozenset(), spec, drafter(tiny, kind, draft, sampling))
 
 
@@ -115,15 +115,16 @@ def test_forward_batch_with_uneven_contexts_equals_alone(tiny, kind):
 def test_batched_requests_equal_each_request_alone(tiny, kind):
     """Five requests (plain, n-gram, early-exit drafts) on three slots with small prefill chunks: some queue, some
     join mid-run; each one's tokens equal plain greedy decoding of it alone; requests of one drafter pool their
-    acceptance odds."""
+    acceptance odds. The second n-gram request has the fixed shape (every node of a proposal verified), so trees
+    are verified whatever the timing-driven choices (allotment, draft switch) make of the adaptive ones under load."""
     draws = ["ngram", "plain", "early", "ngram", "early"]
     want = [generate(engine(tiny, kind), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
     core = EngineCore(engine(tiny, kind), 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
-    reqs = [request(tiny, kind, i, d) for i, d in enumerate(draws)]
+    reqs = [request(tiny, kind, i, d, adaptive=i != 3) for i, d in enumerate(draws)]
     out = run_core(core, reqs, join_at={3: 4, 4: 9})
     assert [out[i].token_ids for i in range(5)] == want
-    assert sum(out[i].stats.draft_tokens for i in range(5)) > 0 and core.pool.in_use == 0
+    assert out[3].stats.draft_tokens > 0 and core.pool.in_use == 0
     # the acceptance odds are pooled per drafter: both n-gram requests learned into (and read) the same table
     assert reqs[0].sched.odds is reqs[3].sched.odds is core.odds["ngram"]
     assert reqs[2].sched.odds is reqs[4].sched.odds is core.odds["early-exit"] is not core.odds["ngram"]
