@@ -212,7 +212,8 @@ class Scheduler:
         n = len(tree)
         if score_s is not None and n > 1:
             self.scored(score_s, len(verdict.accepted) / (n - 1), n)
-        step_rate = (len(verdict.accepted) + 1) / max(propose_s + verify_s, 1e-9)  # committed tokens per second
+        step_s = max(propose_s + verify_s, 1e-9)
+        step_rate = (len(verdict.accepted) + 1) / step_s  # committed tokens per second
         if not speculated:
             self.rate[False] = ema(self.rate.get(False), step_rate)
             self.cooling = max(0, self.cooling - 1)
@@ -221,7 +222,7 @@ class Scheduler:
         if n == 1:  # the allotment kept no node (load, low odds): a plain step, not a speculative one nor a failure
             return
         self.rate[True] = ema(self.rate.get(True), step_rate)
-        self.propose_share = ema(self.propose_share, propose_s / max(propose_s + verify_s, 1e-9))
+        self.propose_share = ema(self.propose_share, propose_s / step_s)
         accepted = len(verdict.accepted)
         self.recent = ema(self.recent, accepted)
         self.failures = 0 if accepted else self.failures + 1
