@@ -13,6 +13,8 @@ EXAMPLES = """examples:
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency,
                                                           # batching server vs a one-at-a-time one (--max-batch 1)
   python -m bench serve --concurrency 1,4,16 --repeats 3   # each level 3 times, modes alternating: median ratios
+  python -m bench core --concurrency 1,4,8 --rounds 3    # the engine core in process: spork vs plain per
+                                                          # concurrency, priced by one fitted cost table (no drift)
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
@@ -124,6 +126,17 @@ def main(argv=None) -> int:
     sv.add_argument("--repeats", type=int, default=1,
                     help="measure each level this many times, the modes' order alternating, and report the median "
                          "paired ratio (default: %(default)s)")
+    cr = sub.add_parser("core", help="the engine core in process: spork vs plain per concurrency, wall and priced "
+                        "by one fitted cost table", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(cr)
+    cr.set_defaults(limit=16, engines="engines/default")
+    cr.add_argument("--concurrency", default="1,4,8,16", help="comma list of requests in flight (default: %(default)s)")
+    cr.add_argument("--rounds", type=int, default=3,
+                    help="runs of each mode per level, the modes' order alternating (default: %(default)s)")
+    cr.add_argument("--modes", default="spork,plain", help="two modes, one of them plain (default: %(default)s)")
+    cr.add_argument("--draft", default=None, help="the spork drafter (default: the build's default)")
+    cr.add_argument("--out", default="results/core")
     sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(sk)
@@ -161,6 +174,10 @@ def main(argv=None) -> int:
             from . import serve
 
             return serve.main(args)
+        if args.command == "core":
+            from . import core
+
+            return core.main(args)
         if args.command == "soak":
             from . import soak
 
