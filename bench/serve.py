@@ -1,6 +1,7 @@
 """`python -m bench serve`: the served ensemble under load, spork vs plain at each concurrency, on the batching
 server (one engine core with `--slots` KV slots) and, in the same run, on a one-at-a-time reference server
-(`--max-batch 1`: one slot, requests queue), plus local `generate` on the same prompts (the Triton overhead).
+(`--max-batch 1`: one slot, requests queue), plus local `generate` on the same prompts (the Triton overhead; only
+when a one-client level is measured).
 
 Each level sends max(limit, concurrency) requests from `concurrency` client threads over gRPC streaming. A warm-up
 burst per mode at the highest concurrency is excluded; it also brings the engines' memory arenas to their
@@ -234,11 +235,11 @@ def main(a) -> int:
         summary["levels"] += rows
         summary["server_rss_mb"][label] = rss
     summary["overhead"] = {}
-    for mode in modes:
-        print(f"[bench serve] local generate ({mode})", file=sys.stderr, flush=True)
-        local = local_arm(engines, prompts, mode, a.max_new_tokens)
+    for mode in modes:  # the Triton overhead: local generate against the one-client level (none: skipped)
         served = next((r for r in summary["levels"] if r["mode"] == mode and r["concurrency"] == 1), None)
         if served:
+            print(f"[bench serve] local generate ({mode})", file=sys.stderr, flush=True)
+            local = local_arm(engines, prompts, mode, a.max_new_tokens)
             summary["overhead"][mode] = {
                 "local_tokens_per_second": local["tokens_per_second"],
                 "served_tokens_per_second": served["output_tokens_per_second"],

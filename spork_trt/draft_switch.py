@@ -9,9 +9,13 @@ a 5-step moving average of per-step rates flipped the choice on that noise). A s
 proposing steps have been at least as fast (or either is not measured yet) and proposing is not futile; every
 PROBE_EVERY-th step does the opposite, so both rates stay measured as load and text change. Futile: a step of
 FUTILE_BATCH or more requests whose allotment took no node marks that batch size and larger; any node taken clears
-it. A single request (batch 1) always proposes: its own scheduler's recovery decides there. Sampled requests
-ignore the switch (engine core): their seeded draws depend on their trees, which must not depend on timing; a step
-whose requests are all plain or sampled neither asks the switch nor teaches it.
+it. A batch below SWITCHED always proposes (a single request: its own scheduler's recovery decides there): the
+allotment prices every node against the forward it adds, so a wrong "propose" costs only the host time of proposing,
+while at 4 requests the switch's noisy comparison and a single empty allotment's futility mark kept proposing off for
+about half of the steps (`python -m bench core` pricing, 80 MT-bench prompts at 4 in flight: README, "The engine core
+in process, priced"). Sampled requests ignore the switch (engine core): their seeded draws depend on their trees,
+which must not depend on timing; a step whose requests are all plain or sampled neither asks the switch nor teaches
+it.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .cost_model import bucket
 
-FUTILE_BATCH = 4  # smallest batch whose empty allotment marks proposing futile
+SWITCHED = 8  # smallest batch the switch decides for; smaller ones always propose
+FUTILE_BATCH = SWITCHED  # smallest batch whose empty allotment marks proposing futile
 PROBE_EVERY = 8  # every this many steps the switch does the opposite of its choice, to measure it
 DECAY = 0.95  # weight of the history per step measured (a window of about 20 steps of each kind)
 
@@ -34,7 +39,7 @@ class DraftSwitch:
     def propose(self, batch: int) -> bool:
         """Whether this step of `batch` decoding requests proposes drafts."""
         self.steps += 1
-        if batch < 2:
+        if batch < SWITCHED:
             return True
         k = bucket(batch)
         drafting, plain = self.rate((k, True)), self.rate((k, False))
@@ -54,7 +59,7 @@ class DraftSwitch:
 
     def record(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
         """A decode step's committed tokens and seconds (proposals, forward, verification, commits)."""
-        if batch >= 2 and seconds > 0:
+        if batch >= SWITCHED and seconds > 0:
             acc = self.sums.setdefault((bucket(batch), proposed), [0.0, 0.0])
             acc[0], acc[1] = acc[0] * DECAY + tokens, acc[1] * DECAY + seconds
 

@@ -199,10 +199,14 @@ def test_a_request_too_long_for_a_slot_is_refused_with_the_fix(tiny):
     assert core.idle
 
 
-def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny):
+def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny, monkeypatch):
     """With the switch measuring proposing steps as slower, only its probe steps (every PROBE_EVERY-th) propose;
-    the tokens stay plain greedy decoding's."""
+    the tokens stay plain greedy decoding's. (The switch decides from 2 requests here, SWITCHED patched: the test
+    has 5.)"""
+    from spork_trt import draft_switch
     from spork_trt.draft_switch import PROBE_EVERY
+
+    monkeypatch.setattr(draft_switch, "SWITCHED", 2)
 
     want = [generate(engine(tiny, "torch"), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
