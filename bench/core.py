@@ -21,13 +21,14 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
 from spork_trt.errors import UserError
+from spork_trt.core import room
 from spork_trt.generate import run_many
 
 from .prompts import git_sha, load_prompts
@@ -90,6 +91,10 @@ class CostTable:
         return cls({b: float(coef[col[b]]) for b in sizes}, {b: float(coef[n + col[b]]) for b in sizes},
                    float(coef[-1]), prefill)
 
+    def seconds(self, run: Run) -> float:
+        """The run's work at this table's prices: its forwards priced, its host time as measured."""
+        return sum(self.price(f) for f in run.forwards) + run.host_s
+
     def price(self, f: Forward) -> float:
         if f.prefill:
             return self.prefill[0] + self.prefill[1] * f.tokens
@@ -97,7 +102,7 @@ class CostTable:
         return self.decode[f.seqs] + (self.jump[f.seqs] + self.node * (f.tokens - f.seqs) if tree else 0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     clients: int
     mode: str
@@ -109,17 +114,17 @@ class Run:
     drafted: int
     accepted: int
     texts: list[list[int]]
-    priced_s: float = 0.0
 
     @property
     def host_s(self) -> float:
         return self.wall_s - sum(f.seconds for f in self.forwards)
 
-    def summary(self) -> dict:
+    def summary(self, table: CostTable) -> dict:
+        priced = table.seconds(self)
         return {"clients": self.clients, "mode": self.mode, "round": self.round, "tokens": self.tokens,
-                "wall_s": round(self.wall_s, 3), "priced_s": round(self.priced_s, 3),
+                "wall_s": round(self.wall_s, 3), "priced_s": round(priced, 3),
                 "host_s": round(self.host_s, 3), "wall_tok_s": round(self.tokens / self.wall_s, 1),
-                "priced_tok_s": round(self.tokens / self.priced_s, 1), "mean_batch": round(self.mean_batch, 2),
+                "priced_tok_s": round(self.tokens / priced, 1), "mean_batch": round(self.mean_batch, 2),
                 "drafted": self.drafted, "accepted": self.accepted,
                 "forwards": sum(not f.prefill for f in self.forwards),
                 "tree_forwards": sum(not f.prefill and f.tokens > f.seqs for f in self.forwards)}
@@ -128,7 +133,7 @@ class Run:
 def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: GenerateConfig, spec) -> Run:
     engine = TimedEngine(rt.engine)
     reqs = [rt.request(p, cfg, mode, spec) for p in ids]
-    max_len = max(len(p) for p in ids) + cfg.max_new_tokens + spec.tree_budget + spec.tree_depth + 1
+    max_len = max(room(len(p), cfg.max_new_tokens, spec) for p in ids)
     t = time.perf_counter()
     for _ in run_many(engine, reqs, slots=clients, max_len=max_len):
         pass
@@ -143,9 +148,10 @@ def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: 
 def main(args) -> int:
     from spork_trt.runtime import Runtime
 
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip().isdigit()]
+    given = [x.strip() for x in args.concurrency.split(",") if x.strip()]
+    levels = [int(x) for x in given if x.isdigit() and int(x) > 0]
     modes = [m for m in args.modes.split(",") if m]
-    if len(levels) != len([x for x in args.concurrency.split(",") if x]) or not levels or min(levels) < 1 or args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
+    if not levels or len(levels) != len(given) or args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
         raise UserError("--concurrency takes positive client counts, --rounds a positive count, --modes two modes, "
                         "one of them plain (e.g. spork,plain)")
     rt = Runtime.from_engines(args.engines)
@@ -165,9 +171,7 @@ def main(args) -> int:
                 print(f"[core] {n} clients, round {rnd + 1}/{args.rounds}, {mode}: "
                       f"{runs[-1].tokens / runs[-1].wall_s:.1f} tokens/s wall", flush=True)
         table = CostTable.fit([f for r in runs for f in r.forwards])
-        for r in runs:
-            r.priced_s = sum(table.price(f) for f in r.forwards) + r.host_s
-            rows.append(r.summary())
+        rows += [r.summary(table) for r in runs]
         summary.append(level_summary(n, runs, modes, table))
         print(json.dumps(summary[-1]), flush=True)
     meta = {"git_sha": git_sha(), "engines": str(args.engines), "draft": spec.draft, "prompts": args.prompts,
@@ -183,8 +187,9 @@ def main(args) -> int:
 def level_summary(n: int, runs: list[Run], modes: list[str], table: CostTable) -> dict:
     spec_mode = next(m for m in modes if m != "plain")
     by = {m: [r for r in runs if r.mode == m] for m in modes}
-    ratio = {k: [a.tokens / getattr(a, k) / (b.tokens / getattr(b, k)) for a, b in zip(by[spec_mode], by["plain"])]
-             for k in ("priced_s", "wall_s")}
+    pairs = list(zip(by[spec_mode], by["plain"]))  # tokens per second, spork over plain, round by round
+    ratio = {"priced_s": [a.tokens / table.seconds(a) / (b.tokens / table.seconds(b)) for a, b in pairs],
+             "wall_s": [a.tokens / a.wall_s / (b.tokens / b.wall_s) for a, b in pairs]}
     plain_texts = by["plain"][0].texts
     mismatches = sum(t != p for r in by[spec_mode] for t, p in zip(r.texts, plain_texts))
     return {"clients": n, "mode": spec_mode,
