@@ -154,6 +154,9 @@ def table(s: dict) -> str:
         lines.append(f"\n{mode}: local generate {o['local_tokens_per_second']:.1f} tokens/s, through Triton at "
                      f"concurrency 1 {o['served_tokens_per_second']:.1f} tokens/s ({o['served_vs_local']:.2f}x); "
                      f"same text: {o['same_text']}")
+    for mode, count in s.get("mismatches_vs_plain", {}).items():
+        lines.append(f"\n{mode}: {count} prompt text(s) differ from plain's at the same level and repeat "
+                     "(lossless: 0)")
     rss = s["server_rss_mb"]
     for label, m in ({"": rss} if "after_warmup" in rss else rss).items():  # older summaries: one server
         lines.append(f"\n{label + ' ' if label else ''}server resident memory: {m['after_warmup']:.0f} MB after "
@@ -246,6 +249,7 @@ def main(a) -> int:
                 "served_vs_local": round(served["output_tokens_per_second"] / local["tokens_per_second"], 3),
                 "same_text": served["texts"][:len(prompts)] == local["texts"]}
     summary["same_text_across_levels"] = same_text_across_levels(summary["levels"], len(prompts))
+    summary["mismatches_vs_plain"] = mismatches_vs_plain(summary["levels"], len(prompts))
     summary["repeats"], summary["ratios"] = a.repeats, paired_ratios(summary["levels"], modes)
     summary["steady_ratios"] = paired_ratios(summary["levels"], modes, "steady_output_tokens_per_second")
     for r in summary["levels"]:
@@ -258,6 +262,19 @@ def main(a) -> int:
     latency_plot(summary, out / "serve.png")
     print(json.dumps(summary) if a.json else table(summary))
     return 0
+
+
+def mismatches_vs_plain(levels: list[dict], n: int) -> dict[str, int]:
+    """Per mode other than plain: prompts whose text differs from plain's at the same server, concurrency and repeat,
+    summed over them (lossless, greedy: 0; a level without its plain pair is not counted)."""
+    plain = {(r.get("server"), r["concurrency"], r.get("repeat", 0)): r["texts"][:n] for r in levels
+             if r["mode"] == "plain"}
+    out: dict[str, int] = {}
+    for r in levels:
+        key = (r.get("server"), r["concurrency"], r.get("repeat", 0))
+        if r["mode"] != "plain" and key in plain:
+            out[r["mode"]] = out.get(r["mode"], 0) + sum(a != b for a, b in zip(r["texts"][:n], plain[key]))
+    return out
 
 
 def same_text_across_levels(levels: list[dict], n: int) -> dict[str, bool]:

@@ -167,6 +167,23 @@ def test_serve_repeats_pair_each_repeat_and_report_the_median(tmp_path):
     assert "| 30.0 | - | 0.10 |" in text  # no steady rate: a dash
 
 
+def test_serve_counts_prompts_whose_spork_text_differs_from_plain():
+    """bench serve's lossless check: each spork level against plain's at the same server, concurrency and repeat,
+    prompt by prompt; a level without its plain pair is not counted; the table says the count."""
+    from bench.serve import mismatches_vs_plain, table
+
+    def row(mode, conc, rep, texts):
+        return {"server": "b", "mode": mode, "concurrency": conc, "repeat": rep, "texts": texts}
+    levels = [row("spork", 1, 0, ["a", "b", "c"]), row("plain", 1, 0, ["a", "b", "c"]),
+              row("plain", 4, 0, ["a", "b", "c", "a"]), row("spork", 4, 0, ["a", "x", "c", "z"]),
+              row("spork", 4, 1, ["y", "y", "y"])]  # no plain at repeat 1: not counted
+    assert mismatches_vs_plain(levels, 3) == {"spork": 1}  # prompt 2 at 4 clients; the 4th request is past n
+    assert mismatches_vs_plain(levels[:2], 3) == {"spork": 0}
+    s = {"levels": [], "overhead": {}, "mismatches_vs_plain": {"spork": 1},
+         "server_rss_mb": {"b": {"after_warmup": 1.0, "after_sweep": 1.0, "growth": 0.0}}}
+    assert "spork: 1 prompt text(s) differ from plain's at the same level and repeat (lossless: 0)" in table(s)
+
+
 def test_steady_rate_counts_the_tokens_streamed_while_every_client_was_busy():
     """Two clients of two requests each; client 1's last request ends at 7 s (client 2's at 9 s): the window is
     [0, 7], and a request's tokens are those its streamed stats reported by then."""
