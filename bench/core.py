@@ -31,7 +31,7 @@ from spork_trt.errors import UserError
 from spork_trt.core import room
 from spork_trt.generate import run_many
 
-from .prompts import git_sha, load_prompts
+from .prompts import git_sha, levels_arg, load_prompts
 
 
 @dataclass(frozen=True)
@@ -148,12 +148,10 @@ def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: 
 def main(args) -> int:
     from spork_trt.runtime import Runtime
 
-    given = [x.strip() for x in args.concurrency.split(",") if x.strip()]
-    levels = [int(x) for x in given if x.isdigit() and int(x) > 0]
+    levels = levels_arg(args.concurrency, "--concurrency")
     modes = [m for m in args.modes.split(",") if m]
-    if not levels or len(levels) != len(given) or args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
-        raise UserError("--concurrency takes positive client counts, --rounds a positive count, --modes two modes, "
-                        "one of them plain (e.g. spork,plain)")
+    if args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
+        raise UserError("--rounds takes a positive count, --modes two modes, one of them plain (e.g. spork,plain)")
     rt = Runtime.from_engines(args.engines)
     spec = SpecConfig.for_draft(rt.resolve_draft(args.draft) if args.draft else rt.default_draft)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens,

@@ -33,7 +33,7 @@ from pathlib import Path
 from spork_trt.client import ClientConfig, query
 from spork_trt.errors import UserError
 
-from .prompts import git_sha, load_prompts
+from .prompts import git_sha, levels_arg, load_prompts
 from .run import command
 
 
@@ -200,16 +200,6 @@ def paired_ratios(levels: list[dict], modes: list[str], key: str = "output_token
     return out
 
 
-def levels_arg(text: str, flag: str) -> list[int]:
-    try:
-        levels = [int(c) for c in text.split(",") if c]
-    except ValueError:
-        levels = []
-    if not levels or any(c < 1 for c in levels):
-        raise UserError(f"{flag} takes a comma list of positive integers, got {text!r}")
-    return levels
-
-
 def main(a) -> int:
     from spork_trt.serve import ServerConfig, TritonServer, free_port
     from spork_trt.triton_repo import RepoConfig, render
@@ -267,13 +257,13 @@ def main(a) -> int:
 def mismatches_vs_plain(levels: list[dict], n: int) -> dict[str, int]:
     """Per mode other than plain: prompts whose text differs from plain's at the same server, concurrency and repeat,
     summed over them (lossless, greedy: 0; a level without its plain pair is not counted)."""
-    plain = {(r.get("server"), r["concurrency"], r.get("repeat", 0)): r["texts"][:n] for r in levels
-             if r["mode"] == "plain"}
+    def pair(r: dict) -> tuple:
+        return r.get("server"), r["concurrency"], r.get("repeat", 0)
+    plain = {pair(r): r["texts"][:n] for r in levels if r["mode"] == "plain"}
     out: dict[str, int] = {}
     for r in levels:
-        key = (r.get("server"), r["concurrency"], r.get("repeat", 0))
-        if r["mode"] != "plain" and key in plain:
-            out[r["mode"]] = out.get(r["mode"], 0) + sum(a != b for a, b in zip(r["texts"][:n], plain[key]))
+        if r["mode"] != "plain" and pair(r) in plain:
+            out[r["mode"]] = out.get(r["mode"], 0) + sum(a != b for a, b in zip(r["texts"][:n], plain[pair(r)]))
     return out
 
 
