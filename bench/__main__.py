@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   python -m bench costs --engines engines/head --drafts eagle   # one step of the learned draft head
   python -m bench costs --nodes 1 --batch 4,16,32         # + batched forwards of B sequences (continuous batching)
   python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
+  python -m bench agreement --head results/draft_head --limit 10   # a draft head, teacher-forced on unseen answers
   python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     add_common(ag)
     ag.set_defaults(engines="engines/default", limit=10, prompts="mt_bench,humaneval")
     ag.add_argument("--out", default="results/agreement")
+    ag.add_argument("--head", default=None, help="also a trained draft head (an `export train-draft` folder or its "
+                    "head.safetensors): top-1 agreement by depth on the target's answers, text it never trained on")
     ag.add_argument("--json", action="store_true")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
     add_common(w)

@@ -1,7 +1,8 @@
 """`python -m bench agreement`: how closely each quantized copy of the target (the `self-*` engines of a build)
 follows the fp32 target: per-token top-1 agreement, teacher-forced on the fp32 target's own greedy outputs for the
 same prompts (the question a draft answers: "would the target pick this token next?"), and what one decode step
-of each costs. Acceptance and speedup as drafts come from `python -m bench run --arms plain spork/self-...`."""
+of each costs. Acceptance and speedup as drafts come from `python -m bench run --arms plain spork/self-...`.
+With `--head DIR`, a trained draft head's agreement by depth on the same references (bench/head_agreement.py)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from spork_trt.export import manifest as mf
 from spork_trt.runtime import Runtime
 
 from .costs import median_ms
+from .head_agreement import head_rows, head_table
 from .prompts import git_sha, load_prompts
 
 
@@ -66,12 +68,15 @@ def main(a) -> int:
         raise UserError(f"{d} has a {m['engines']['target']['precision']} target: agreement is measured against "
                         "an fp32 target (build one with --precision fp32)")
     quants = [k for k in m["engines"] if k.startswith("self-")]
-    if not quants:
-        raise UserError(f"{d} has no quantized engines: build some with `python -m export build --draft ...`")
+    if not quants and not a.head:
+        raise UserError(f"{d} has no quantized engines: build some with `python -m export build --draft ...`, or "
+                        "measure a draft head with --head DIR")
     rt = Runtime.from_engines(d, load_head=False)
-    seqs = reference(rt, a.prompts.split(","), a.limit, a.max_new_tokens)
+    sets = a.prompts.split(",")
+    refs = {s: reference(rt, [s], a.limit, a.max_new_tokens) for s in sets}
+    seqs = [x for s in sets for x in refs[s]]
     rows = []
-    for name in ["target", *quants]:
+    for name in ["target", *quants] if quants else []:
         entry = m["engines"][name]
         engine = rt.engine if name == "target" else rt.draft_engine(name)
         print(f"[agreement] {name}", file=sys.stderr, flush=True)
@@ -79,13 +84,15 @@ def main(a) -> int:
         size = mf.weights(m, entry).get("bytes", 0)
         rows.append({"engine": name, "precision": entry["precision"], "top1_agreement": round(same / total, 4),
                      "tokens": total, "decode_ms": decode_ms(engine, 200), "weights_mb": round(size / 1e6, 1)})
+    heads = head_rows(a.head, m["source"], refs) if a.head else []
     out = {"engines": str(d), "prompts": a.prompts, "limit": a.limit, "max_new_tokens": a.max_new_tokens,
            "git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-           "threads": torch.get_num_threads(), "rows": rows}
+           "threads": torch.get_num_threads(), "rows": rows, "head": heads}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "agreement.json").write_text(json.dumps(out, indent=1))
-    print(json.dumps(out) if a.json else table(rows))
+    tables = [t for t in (rows and table(rows), heads and head_table(heads)) if t]
+    print(json.dumps(out) if a.json else "\n\n".join(tables))
     return 0
 
 

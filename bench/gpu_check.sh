@@ -8,6 +8,13 @@
 #   device 2:  bash bench/gpu_check.sh run         # at once (the machine stays warm 30 s), carry [".gpu/part2",
 #                                                   # ".gpu/wheels", ".gpu/prompts"]: joins the GGUF, checks its
 #                                                   # sha256, runs `python -m bench gpu`, writes $OUT/gpu_check.json
+#   or, for the learned drafts (instead of run: 15 device minutes hold one of the two):
+#   device 2:  bash bench/gpu_check.sh data        # carry as for run: joins the GGUF, then the self-data at GPU scale
+#                                                   # (`export self-data --device cuda`, 128 slots, resumable; stops at
+#                                                   # 4 minutes, keeping what it wrote)
+#   device 3:  bash bench/gpu_check.sh train       # at once, carry nothing: `export train-draft --device cuda` on it
+#                                                   # (stops at 6 minutes, saving its last epoch), then copies the head,
+#                                                   # its report and the data (packed when finished) to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step="${1:-}"
@@ -44,8 +51,37 @@ run)
     timeout 460 python3 -m bench gpu --model /root/model.gguf --prompts .gpu/prompts/mt_bench16.jsonl --limit 16 \
         --max-new-tokens 128 --batch 32 --dtype bf16 --out "${OUT:-results/gpu}"
     ;;
+data)
+    cat /root/model.gguf.aa .gpu/part2/model.gguf.ab > /root/model.gguf
+    echo "$(cat .gpu/part2/sha256)  /root/model.gguf" | sha256sum -c -
+    python3 -m pip install --quiet --no-deps --no-index --target /root/pylib .gpu/wheels/*.whl
+    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    timeout 240 python3 -m export self-data --device cuda --dtype bf16 --model /root/model.gguf --slots 128 \
+        --magpie 8000 --stdlib 1400 --out /root/selfdata || echo "self-data stopped (rc $?): training on what it wrote"
+    wc -l /root/selfdata/*.jsonl
+    ;;
+train)
+    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    out="${OUT:-results/gpu}"
+    mkdir -p "$out"
+    args=(--device cuda --model /root/model.gguf --data /root/selfdata --steps 3 --out /root/head)
+    if ! timeout 360 python3 -m export train-draft "${args[@]}" --epochs 8; then
+        done=$(python3 -c 'import json; print(json.load(open("/root/head/checkpoint/state.json"))["epoch"])' \
+            2>/dev/null || echo 0)
+        echo "train-draft stopped after epoch $done: saving that head"
+        if [ "$done" -gt 0 ]; then python3 -m export train-draft "${args[@]}" --epochs "$done" --resume; fi
+    fi
+    cp /root/head/head.safetensors /root/head/report.json "$out"/ || true
+    if [ -f /root/selfdata/recipe.json ]; then
+        python3 -m export pack --data /root/selfdata --out "$out/corpus"
+    else
+        gzip -c /root/selfdata/answers.jsonl > "$out/answers.jsonl.gz"
+    fi
+    ls -l "$out"
+    ;;
 *)
-    echo "usage: bash bench/gpu_check.sh prepare|stage|run (see the comments at the top)" >&2
+    echo "usage: bash bench/gpu_check.sh prepare|stage|run|data|train (see the comments at the top)" >&2
     exit 2
     ;;
 esac

@@ -26,10 +26,12 @@ EXAMPLES = """examples:
   python -m export calibrate --limit 40                   # the first 40 prompts of each set: quicker, noisier
   python -m export calibrate --draft self-int8            # a head for the INT8 self-draft (one head per drafter)
   python -m export self-data --magpie 1024 --stdlib 512   # the target's own text -> results/selfdata (resumable)
+  python -m export self-data --device cuda --slots 128 --magpie 8000 --stdlib 1400   # on a GPU: minutes
   python -m export pack                                   # results/selfdata -> the shipped corpus of this target
   python -m export build --store results/selfdata         # a datastore from any self-data run
   python -m export build --head results/draft_head        # add a trained draft head (--draft eagle)
   python -m export train-draft --epochs 4 --steps 3       # the draft head on results/selfdata (--resume continues)
+  python -m export train-draft --data shipped --epochs 3  # on the corpus shipped for the default model
   python -m export train-draft --device cuda --taps 2,15,29 --vocab 8192
   python -m export convert-head path/to/EAGLE3-checkpoint --out heads/eagle3 --model path/to/target.gguf
 """
@@ -128,6 +130,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens,
                    help="answer length (default: %(default)s)")
     s.add_argument("--slots", type=int, default=D.slots, help="requests decoded together (default: %(default)s)")
+    s.add_argument("--model", default=None, help="write the data with this checkpoint on torch instead of --engines "
+                   "(default with --device cuda: SmolLM2-135M-Instruct)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default=D.device,
+                   help="cuda: the device engine (CUDA graphs; use many --slots) (default: %(default)s)")
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=D.dtype,
+                   help="the device engine's precision with --device cuda (default: %(default)s)")
     s.add_argument("--seed", type=int, default=D.seed, help="Magpie sampling and stdlib choice (default: %(default)s)")
     k = sub.add_parser("pack", help="a self-data run -> the corpus that ships in the package for its target "
                        "(spork_trt/artifacts/NAME)", epilog=EXAMPLES,
@@ -140,7 +148,8 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("train-draft", help="train the draft head (one decoder layer over the target's hidden "
                        "states) on a self-data run; resumable", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--data", default=str(T.data), help="a self-data folder (default: %(default)s)")
+    r.add_argument("--data", default=str(T.data), help="a self-data folder, a packed one (corpus.npz), or "
+                   "\"shipped\": the corpus shipped for the target (default: %(default)s)")
     r.add_argument("--out", default=str(T.out), help="head, checkpoints and cached features (default: %(default)s)")
     r.add_argument("--model", default=None, help="the target checkpoint (default: SmolLM2-135M-Instruct)")
     r.add_argument("--taps", default="", help="comma-separated target layers whose outputs are the features, e.g. "
@@ -209,7 +218,8 @@ def self_data(a) -> int:
     from spork_trt.export.selfdata import SelfDataConfig, self_data
 
     recipe = self_data(SelfDataConfig(engines=Path(a.engines), out=Path(a.out), magpie=a.magpie, stdlib=a.stdlib,
-                                      max_new_tokens=a.max_new_tokens, slots=a.slots, seed=a.seed))
+                                      max_new_tokens=a.max_new_tokens, slots=a.slots, seed=a.seed, model=a.model,
+                                      device=a.device, dtype=a.dtype))
     print(json.dumps(recipe, indent=1))
     return 0
 

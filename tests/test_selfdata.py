@@ -50,3 +50,27 @@ def test_self_data_is_the_targets_own_text_deterministic_and_resumable(default_e
     more = self_data(tmp_path / "a", default_engines, 4)  # one more prompt: only it is answered
     assert more.returncode == 0 and "answering 1 prompts (5 done before)" in more.stderr, more.stderr
     assert len(lines(tmp_path / "a" / "answers.jsonl")) == 6
+
+
+def test_self_data_from_a_checkpoint_on_torch_is_the_same_greedy_text(default_engines, tmp_path):
+    """`--model` (the path `--device cuda` takes, on the torch engine here): the answers are the target's greedy
+    text, as the ONNX build writes it, and the recipe names the checkpoint's sha256 and the device."""
+    from spork_trt.export import manifest as mf
+    from spork_trt.runtime import Runtime
+
+    m = mf.read(default_engines)
+    run = subprocess.run([sys.executable, "-m", "export", "self-data", "--model", m["source"]["path"], "--out",
+                          str(tmp_path / "t"), "--magpie", "0", "--stdlib", "2", "--max-new-tokens", "16",
+                          "--slots", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    recipe = json.loads((tmp_path / "t" / "recipe.json").read_text())
+    assert recipe["target_sha256"] == m["source"]["sha256"] and recipe["settings"]["device"] == "cpu"
+    rt = Runtime.from_engines(default_engines, load_head=False)
+    for r in lines(tmp_path / "t" / "answers.jsonl"):
+        prompt, answer = r["ids"][:r["n_prompt"]], r["ids"][r["n_prompt"]:]
+        assert len(answer) == 16 and rt.generate(prompt, GenerateConfig(max_new_tokens=16)).token_ids == answer
+    cuda = subprocess.run([sys.executable, "-m", "export", "self-data", "--device", "cuda", "--out",
+                           str(tmp_path / "c"), "--magpie", "1"], capture_output=True, text=True, timeout=600)
+    if not __import__("torch").cuda.is_available():  # one clear line, nothing written
+        assert cuda.returncode == 2 and "--device cuda" in cuda.stderr
+        assert not (tmp_path / "c" / "answers.jsonl").exists()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spork_trt.draft_head import load_head
+from spork_trt.errors import UserError
 from spork_trt.export.train_draft import TrainConfig, step_mask, train_draft
 from spork_trt.weights import random_checkpoint
 from tests.conftest import tiny_config, write_selfdata
@@ -67,3 +68,48 @@ def test_feature_extraction_resumes_where_it_stopped(target, tmp_path):
     again = extract(target, seqs, (1, 3), part)
     assert np.array_equal(np.asarray(again.feats), np.asarray(full.feats))
     assert np.array_equal(np.asarray(again.labels), np.asarray(full.labels))
+    padded = extract(target, seqs, (1, 3), tmp_path / "batched", batch=2)  # as on a GPU: right-padded batches
+    assert np.allclose(np.asarray(padded.feats, np.float32), np.asarray(full.feats, np.float32), atol=2e-3)
+    assert np.array_equal(np.asarray(padded.labels), np.asarray(full.labels))
+
+
+def test_agreement_on_unseen_answers_scores_as_training_scores_its_held_out_text(target, data, tmp_path):
+    """`bench agreement --head` on the held-out sequences reproduces train-draft's held-out evaluation exactly: the
+    same answer tokens scored, the same draft vocabulary, the same depths."""
+    import json
+
+    from bench.head_agreement import head_rows
+    from spork_trt.export.train_draft import heldout
+
+    meta = train_draft(TrainConfig(data=data, out=tmp_path / "head", vocab=40, steps=3, epochs=1, lr=1e-2, seed=2),
+                       target)
+    rows = [json.loads(line) for line in (data / "answers.jsonl").read_text().splitlines()]
+    refs = {"heldout": [(r["ids"][:r["n_prompt"]], r["ids"][r["n_prompt"]:]) for r in rows if heldout(r["id"])]}
+    [row] = head_rows(str(tmp_path / "head"), {"sha256": "x", "path": None}, refs, target)
+    assert row["tokens"] == meta["heldout"]["tokens"] > 0
+    assert row["agreement"] == pytest.approx(meta["heldout"]["agreement"], abs=1e-6)
+    assert len(row["agreement"]) == 3 and row["accepted_length"] == pytest.approx(meta["heldout"]["accepted_length"])
+
+
+def test_a_packed_corpus_gives_the_sequences_and_answer_starts_of_its_self_data(tmp_path):
+    import json
+
+    import numpy as np
+
+    from spork_trt.datastore import join
+    from spork_trt.export import artifacts
+
+    g = np.random.default_rng(0)
+    header = [90, 91, 92]  # the chat template's assistant-turn opening; never inside an answer
+    rows = []
+    for i in range(12):
+        prompt = [90, 91, 5] + g.integers(0, 80, 4 + i).tolist() + header  # an earlier, different turn opening
+        rows.append({"id": f"seq-{i}", "ids": prompt + g.integers(0, 80, 10).tolist(), "n_prompt": len(prompt)})
+    d = tmp_path / "packed"
+    d.mkdir()
+    np.savez_compressed(d / artifacts.CORPUS, tokens=join(r["ids"] for r in rows))
+    (d / artifacts.MANIFEST).write_text(json.dumps({"recipe": {"seed": 7}}))
+    got, recipe = artifacts.training_rows(d, header)
+    assert got == rows and recipe == {"seed": 7}
+    with pytest.raises(UserError, match="neither a self-data folder"):
+        artifacts.training_rows(tmp_path, header)

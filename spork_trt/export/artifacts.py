@@ -84,6 +84,28 @@ def store_source(store: str, source_sha256: str) -> tuple[Path | None, str]:
                     f"{ANSWERS})")
 
 
+def training_rows(data: Path, header: list[int]) -> tuple[list[dict], dict]:
+    """What a head trains on, and its recipe: a self-data folder's answers.jsonl (ids, where each answer starts), or a
+    packed or shipped folder's corpus.npz, whose sequence i gets the id "seq-i" and whose answer starts after the last
+    `header` (the chat template's assistant-turn opening) in it."""
+    if (data / ANSWERS).is_file():
+        recipe = json.loads((data / RECIPE).read_text()) if (data / RECIPE).is_file() else {}
+        return read_jsonl(data / ANSWERS), recipe
+    if not (data / CORPUS).is_file():
+        raise UserError(f"--data {data}: neither a self-data folder ({ANSWERS}) nor a packed one ({CORPUS}); run "
+                        "`python -m export self-data` first, or pass --data shipped")
+    tokens = load_corpus(data)
+    ends = np.flatnonzero(tokens == SEP)
+    rows = []
+    for i, (a, b) in enumerate(zip(np.concatenate([[-1], ends[:-1]]) + 1, ends)):
+        ids = tokens[a:b].tolist()
+        n_prompt = next((j + len(header) for j in range(len(ids) - len(header), -1, -1)
+                         if header and ids[j:j + len(header)] == header), 0)
+        rows.append({"id": f"seq-{i}", "ids": ids, "n_prompt": n_prompt})
+    manifest = json.loads((data / MANIFEST).read_text()) if (data / MANIFEST).is_file() else {}
+    return rows, manifest.get("recipe", {})
+
+
 def head_source(head: str, source_sha256: str) -> tuple[Path | None, str]:
     """Where a build's draft head comes from: `head` "auto" (the head shipped for this checkpoint, if any), "none",
     a train-draft folder (head.safetensors) or the file itself. Returns (file or None, what it is)."""

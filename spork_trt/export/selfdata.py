@@ -47,6 +47,9 @@ class SelfDataConfig:
     top_p: float = 0.95
     slots: int = 16
     seed: int = 0
+    model: str | None = None  # set (or device cuda): the target from this checkpoint on torch, not the --engines build
+    device: str = "cpu"  # cuda: the device engine (CUDA graphs), many slots at once
+    dtype: str = "bf16"  # the device engine's precision (device cuda)
 
 
 def stage(msg: str) -> None:
@@ -231,28 +234,43 @@ def answer(rt, cfg: SelfDataConfig, prompts: list[dict]) -> list[dict]:
     return sorted((r for r in rows if r["id"] in order), key=lambda r: order[r["id"]])
 
 
-def self_data(cfg: SelfDataConfig) -> dict:
-    """Both stages; writes recipe.json (the settings, counts and the target's sha256) and returns it."""
+def runtime(cfg: SelfDataConfig):
+    """(the runtime that writes the data, the target checkpoint's sha256): the --engines build (ONNX Runtime), or,
+    with a --model or on a GPU, the checkpoint on torch (the device engine with CUDA graphs on cuda)."""
     from ..runtime import Runtime
+    from ..weights import default_gguf_path
     from . import manifest as mf
 
+    if cfg.model is None and cfg.device == "cpu":
+        return Runtime.from_engines(cfg.engines, load_head=False), mf.read(cfg.engines)["source"]["sha256"]
+    rt = Runtime.load(cfg.model, cfg.device, cfg.dtype)
+    path = Path(cfg.model) if cfg.model else default_gguf_path()
+    if path.is_file():
+        return rt, mf.sha256(path)
+    from .build import dir_sha
+
+    return rt, dir_sha(path)
+
+
+def self_data(cfg: SelfDataConfig) -> dict:
+    """Both stages; writes recipe.json (the settings, counts and the target's sha256) and returns it."""
     if cfg.magpie < 0 or cfg.stdlib < 0 or cfg.magpie + cfg.stdlib == 0 or cfg.slots < 1:
         raise UserError("--magpie and --stdlib must be >= 0 (not both 0) and --slots >= 1")
     cfg.out.mkdir(parents=True, exist_ok=True)
     recipe_path = cfg.out / RECIPE
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "slots")}
     if recipe_path.is_file():
-        old = json.loads(recipe_path.read_text())["settings"]
+        old = {"model": None, "device": "cpu", "dtype": "bf16",  # runs recorded before these settings existed
+               **json.loads(recipe_path.read_text())["settings"]}
         if {k: v for k, v in old.items() if k not in ("magpie", "stdlib")} != \
                 {k: v for k, v in settings.items() if k not in ("magpie", "stdlib")}:
             raise UserError(f"{cfg.out} holds data made with other settings ({old}): pass another --out")
-    rt = Runtime.from_engines(cfg.engines, load_head=False)
+    rt, target_sha = runtime(cfg)
     t0 = time.perf_counter()
     prompts = synthesize(rt, cfg)
     answers = answer(rt, cfg, prompts)
-    m = mf.read(cfg.engines)
     recipe = {
-        "settings": settings, "target_sha256": m["source"]["sha256"], "python": platform.python_version(),
+        "settings": settings, "target_sha256": target_sha, "python": platform.python_version(),
         "prompts": {"magpie": sum(p["source"] == "magpie" for p in prompts),
                     "stdlib": sum(p["source"] == "stdlib" for p in prompts)},
         "tokens": {"total": sum(len(a["ids"]) for a in answers),

@@ -74,9 +74,10 @@ def heldout(seq_id: str) -> bool:
     return int(hashlib.sha256(seq_id.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
-def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path) -> Features:
+def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path, batch: int | None = None) -> Features:
     """The target's features and top-1 labels over `seqs`, computed once into `folder` (reused when complete; an
-    interrupted extraction resumes from the last sequence it recorded)."""
+    interrupted extraction resumes from the last sequence it recorded), `batch` sequences per forward (default: one
+    on the CPU, 32 on a GPU)."""
     names = ("tokens", "labels", "feats", "offsets")
     if (folder / "done").is_file():
         return Features(*(np.load(folder / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in names))
@@ -91,22 +92,31 @@ def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path) 
     if start:
         stage(f"features: resuming after {start}/{len(seqs)} sequences")
     t0, last = time.perf_counter(), time.perf_counter()
+    dev = next(target.parameters()).device  # the target's device (train-draft --device cuda: there, in fp32)
     from ..model import causal_mask
 
+    per = batch or (1 if dev.type == "cpu" else 32)  # sequences per forward (right-padded; causal: pads unseen)
     with torch.no_grad():
-        for i in range(start, len(seqs)):
-            s = seqs[i]
-            out = target(torch.tensor([s]), torch.arange(len(s))[None], causal_mask(0, len(s)), taps=taps)
-            a, b = offsets[i], offsets[i + 1]
-            feats[a:b] = out.hidden[0].numpy().astype(np.float16)
-            labels[a:b] = out.logits[0].argmax(-1).numpy()
-            if time.perf_counter() - last > 15 or i + 1 == len(seqs):
+        for i in range(start, len(seqs), per):
+            group = seqs[i:i + per]
+            t = max(map(len, group))
+            tok = torch.tensor([s + [0] * (t - len(s)) for s in group], device=dev)  # [B, T]
+            out = target(tok, torch.arange(t, device=dev)[None].expand(len(group), t),
+                         causal_mask(0, t, len(group)).to(dev), taps=taps)
+            hidden = out.hidden.cpu().numpy().astype(np.float16)  # [B, T, k*C]
+            top = out.logits.argmax(-1).cpu().numpy()  # [B, T]
+            for j, s in enumerate(group):
+                a, b = offsets[i + j], offsets[i + j + 1]
+                feats[a:b] = hidden[j, :len(s)]
+                labels[a:b] = top[j, :len(s)]
+            done = i + len(group)
+            if time.perf_counter() - last > 15 or done == len(seqs):
                 feats.flush()
                 labels.flush()
-                progress.write_text(f"{i + 1}\n")
+                progress.write_text(f"{done}\n")
                 last = time.perf_counter()
                 rate = (b - offsets[start]) / (last - t0)
-                stage(f"features: {i + 1}/{len(seqs)} sequences, {rate:.0f} tokens/s, "
+                stage(f"features: {done}/{len(seqs)} sequences, {rate:.0f} tokens/s, "
                       f"~{(n - b) / max(rate, 1e-9) / 60:.0f} min left")
     np.save(folder / "tokens.npy", np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]))
     np.save(folder / "offsets.npy", offsets)
@@ -229,17 +239,19 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
         raise UserError("--epochs, --steps and --batch must be >= 1 and --lr > 0")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
-    rows = artifacts.read_jsonl(cfg.data / artifacts.ANSWERS)
+    ck = None if target is not None else load_checkpoint(cfg.model)
+    target = (target if target is not None else ck.model).eval()
+    data = data_folder(cfg.data, ck)
+    rows, recipe = artifacts.training_rows(data, assistant_header(ck))
     if not rows:
-        raise UserError(f"{cfg.data} has no {artifacts.ANSWERS}: run `python -m export self-data` first")
-    target = (target if target is not None else load_checkpoint(cfg.model).model).eval()
+        raise UserError(f"{data} holds no sequences: run `python -m export self-data` first")
     mcfg = target.cfg
     taps = cfg.taps or (mcfg.n_layers,)
     hc = HeadConfig.for_target(mcfg, taps, cfg.vocab)
     seqs = [r["ids"][:cfg.max_len] for r in rows]
     key = hashlib.sha256(json.dumps([len(seqs), seqs[-1], taps, cfg.max_len]).encode()).hexdigest()[:12]
     stage(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; target features after layers {taps}")
-    f = extract(target, seqs, taps, cfg.out / f"features-{key}")
+    f = extract(target.to(cfg.device), seqs, taps, cfg.out / f"features-{key}")
     starts = [int(r.get("n_prompt", 0)) for r in rows]  # where each sequence's answer begins
     test = [i for i, r in enumerate(rows) if heldout(str(r["id"]))]
     train = [i for i, r in enumerate(rows) if not heldout(str(r["id"]))][:cfg.limit]
@@ -278,9 +290,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
         ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
         stage(f"held-out agreement by depth {', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length "
               f"{ev.accepted_length:.2f}")
-    recipe = json.loads((cfg.data / artifacts.RECIPE).read_text()) if (cfg.data / artifacts.RECIPE).is_file() \
-        else {}
-    meta = {"data": str(cfg.data), "recipe": recipe, "target_sha256": recipe.get("target_sha256"),
+    meta = {"data": str(data), "recipe": recipe, "target_sha256": recipe.get("target_sha256"),
             "train_sequences": len(train), "heldout_sequences": len(test),
             "train_tokens": int(sum(f.seq(s).stop - f.seq(s).start for s in train)),
             "vocab_coverage": vocab.coverage,
@@ -290,6 +300,32 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     (cfg.out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
     stage(f"saved {cfg.out / 'head.safetensors'}")
     return meta
+
+
+def data_folder(data: Path, ck) -> Path:
+    """`--data`: a folder, or "shipped": the corpus that ships for the target checkpoint (its sha256)."""
+    if str(data) != "shipped":
+        return data
+    from . import manifest as mf
+
+    found = artifacts.shipped(mf.sha256(ck.path)) if ck is not None and ck.path.is_file() else None
+    if found is None:
+        raise UserError("--data shipped: no corpus ships for this checkpoint; make one with `python -m export "
+                        "self-data` and pass its folder")
+    return found
+
+
+def assistant_header(ck) -> list[int]:
+    """The chat template's assistant-turn opening (where an answer starts in a packed corpus); [] without one."""
+    if ck is None:
+        return []
+    from ..tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+    if not tok.has_chat_template:
+        return []
+    ids = tok.encode_prompt("x")  # [..., <|im_start|>, assistant, \n]: the last turn opening
+    return ids[max(i for i, t in enumerate(ids) if t == ids[0]):]
 
 
 @dataclass(frozen=True)
