@@ -46,15 +46,20 @@ class HeadConfig:
     # eagle1: fc([emb; g]) -> a Llama decoder layer (what train-draft trains); eagle3: EAGLE-3's layer, attention
     # over [input_norm(emb); hidden_norm(g)] with g as the residual (published heads, `export convert-head`)
     layout: str = "eagle1"
+    # eagle1: g passes an RMSNorm before fc (initialised to the target's final norm for a last-layer tap: EAGLE-1's
+    # post-norm features). The raw residual stream has outlier channels ~100x its median that drown the token's
+    # embedding in fc; heads saved before this field existed have none.
+    feature_norm: bool = False
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, taps: tuple[int, ...], vocab: int) -> HeadConfig:
+    def for_target(cls, cfg: ModelConfig, taps: tuple[int, ...], vocab: int,
+                   feature_norm: bool = True) -> HeadConfig:
         if not taps or any(not 1 <= t <= cfg.n_layers for t in taps):
             raise UserError(f"--taps must name target layers in 1..{cfg.n_layers}, got {taps}")
         if not 1 <= vocab <= cfg.vocab_size:
             raise UserError(f"--vocab must be in 1..{cfg.vocab_size} (the target's vocabulary), got {vocab}")
         return cls(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta,
-                   tuple(taps), vocab, cfg.vocab_size)
+                   tuple(taps), vocab, cfg.vocab_size, feature_norm=feature_norm)
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=self.vocab, dim=self.dim, n_layers=1, n_heads=self.n_heads,
@@ -90,11 +95,13 @@ class DraftHead(nn.Module):
         self.hc = hc
         c = hc.dim
         self.fuse = nn.Linear(len(hc.taps) * c, c, bias=False)
+        self.gnorm = None
         if hc.layout == "eagle3":
             self.layer = Eagle3Layer(hc.layer_config())
         else:
             self.fc = nn.Linear(2 * c, c, bias=False)
             self.layer = Block(hc.layer_config())
+            self.gnorm = RMSNorm(c, hc.norm_eps) if hc.feature_norm else None
         self.norm = RMSNorm(c, hc.norm_eps)
         self.lm_head = nn.Linear(c, hc.vocab, bias=False)
         self.register_buffer("d2t", torch.arange(hc.vocab, dtype=torch.long))  # [N] draft id -> target id
@@ -106,6 +113,8 @@ class DraftHead(nn.Module):
             self.d2t.copy_(d2t)
             self.lm_head.weight.copy_(target.lm_head.weight[d2t])
             self.norm.weight.copy_(target.norm.weight)
+            if getattr(self, "gnorm", None) is not None and self.hc.taps == (target.cfg.n_layers,):
+                self.gnorm.weight.copy_(target.norm.weight)  # g = the target's post-norm last hidden state
 
     def forward(self, emb: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 kv: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +125,7 @@ class DraftHead(nn.Module):
         if self.hc.layout == "eagle3":
             h = self.layer(emb, g, cos, sin, bias, kv)  # [B, T, C]
         else:
+            g = g if self.gnorm is None else self.gnorm(g)
             h = self.layer(self.fc(torch.cat([emb, g], dim=-1)), cos, sin, bias, 0, kv)  # [B, T, C]
         return h, self.lm_head(self.norm(h))
 

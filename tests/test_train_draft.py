@@ -113,3 +113,17 @@ def test_a_packed_corpus_gives_the_sequences_and_answer_starts_of_its_self_data(
     assert got == rows and recipe == {"seed": 7}
     with pytest.raises(UserError, match="neither a self-data folder"):
         artifacts.training_rows(tmp_path, header)
+
+
+def test_the_head_normalises_its_features_as_the_target_normalises_its_last_hidden_state(target):
+    """A last-layer tap enters fc as the target's post-norm hidden state (EAGLE-1's features): its raw residual
+    stream has outlier channels that drown the token's embedding. --no-feature-norm keeps the older head."""
+    from spork_trt.draft_head import DraftHead, HeadConfig
+
+    last = (target.cfg.n_layers,)
+    head = DraftHead(HeadConfig.for_target(target.cfg, last, 40))
+    head.init_from_target(target, torch.arange(40))
+    x = torch.randn(1, 5, target.cfg.dim) * 50
+    assert torch.allclose(head.gnorm(x), target.norm(x))
+    old = DraftHead(HeadConfig.for_target(target.cfg, last, 40, feature_norm=False))
+    assert old.gnorm is None and "gnorm.weight" not in old.state_dict()

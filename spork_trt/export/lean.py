@@ -229,11 +229,12 @@ class LeanHead(nn.Module):
         super().__init__()
         cfg = head.hc.layer_config()
         self.g = cfg.n_heads // cfg.n_kv_heads
-        self.fc, self.norm, self.lm_head = head.fc, head.norm, head.lm_head
+        self.fc, self.norm, self.lm_head, self.gnorm = head.fc, head.norm, head.lm_head, head.gnorm
         self.block = LeanBlock(head.layer, cfg)
         self.register_buffer("inv_freq", head.inv_freq, persistent=False)  # [D/2]
 
     def forward(self, emb, g, position_ids, attention_mask, past_k, past_v):
+        g = g if self.gnorm is None else self.gnorm(g)
         x = self.fc(torch.cat([emb, g], dim=-1))  # [1, T, C]
         cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [1, T, 1, D]
         bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [1, 1, G*T, S]

@@ -50,6 +50,7 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     resume: bool = False
+    feature_norm: bool = True  # the head normalises g before fc (HeadConfig.feature_norm)
 
 
 def stage(msg: str) -> None:
@@ -247,7 +248,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
         raise UserError(f"{data} holds no sequences: run `python -m export self-data` first")
     mcfg = target.cfg
     taps = cfg.taps or (mcfg.n_layers,)
-    hc = HeadConfig.for_target(mcfg, taps, cfg.vocab)
+    hc = HeadConfig.for_target(mcfg, taps, cfg.vocab, cfg.feature_norm)
     seqs = [r["ids"][:cfg.max_len] for r in rows]
     key = hashlib.sha256(json.dumps([len(seqs), seqs[-1], taps, cfg.max_len]).encode()).hexdigest()[:12]
     stage(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens; target features after layers {taps}")
