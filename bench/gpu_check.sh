@@ -18,6 +18,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step="${1:-}"
+
+join_and_install() {  # on the device: the GGUF from its two carried parts (sha256 checked), the carried wheels
+    cat /root/model.gguf.aa .gpu/part2/model.gguf.ab > /root/model.gguf
+    echo "$(cat .gpu/part2/sha256)  /root/model.gguf" | sha256sum -c -
+    python3 -m pip install --quiet --no-deps --no-index --target /root/pylib .gpu/wheels/*.whl
+    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+}
+
 case "$step" in
 prepare)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
@@ -43,20 +52,12 @@ stage)
     ls -l /root/model.gguf.aa
     ;;
 run)
-    cat /root/model.gguf.aa .gpu/part2/model.gguf.ab > /root/model.gguf
-    echo "$(cat .gpu/part2/sha256)  /root/model.gguf" | sha256sum -c -
-    python3 -m pip install --quiet --no-deps --no-index --target /root/pylib .gpu/wheels/*.whl
-    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    join_and_install
     timeout 460 python3 -m bench gpu --model /root/model.gguf --prompts .gpu/prompts/mt_bench16.jsonl --limit 16 \
         --max-new-tokens 128 --batch 32 --dtype bf16 --out "${OUT:-results/gpu}"
     ;;
 data)
-    cat /root/model.gguf.aa .gpu/part2/model.gguf.ab > /root/model.gguf
-    echo "$(cat .gpu/part2/sha256)  /root/model.gguf" | sha256sum -c -
-    python3 -m pip install --quiet --no-deps --no-index --target /root/pylib .gpu/wheels/*.whl
-    export PYTHONPATH="$PWD:/root/pylib" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    join_and_install
     timeout 240 python3 -m export self-data --device cuda --dtype bf16 --model /root/model.gguf --slots 128 \
         --magpie 8000 --stdlib 1400 --out /root/selfdata || echo "self-data stopped (rc $?): training on what it wrote"
     wc -l /root/selfdata/*.jsonl
