@@ -12,9 +12,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from spork_trt.draft_head import load_head
+from spork_trt.draft_head import load_head, target_to_draft
 from spork_trt.errors import UserError
 from spork_trt.export.artifacts import head_source
 from spork_trt.export.train_draft import TrainConfig, evaluate, extract
@@ -37,8 +35,7 @@ def head_rows(head_arg: str, source: dict, refs: dict[str, list[tuple[list[int],
                         "trained here (eagle1)")
     target = (target if target is not None else load_checkpoint(source["path"]).model).eval()
     steps = int(meta.get("settings", {}).get("steps", 3))
-    t2d = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long)  # [V] target id -> draft id
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = target_to_draft(head.d2t, target.cfg.vocab_size)  # [V]
     rows = []
     for name, seqs in refs.items():
         print(f"[agreement] head on {name}: {len(seqs)} answers", file=sys.stderr, flush=True)

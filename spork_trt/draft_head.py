@@ -31,6 +31,13 @@ LAYOUTS = ("eagle1", "eagle3")
 EMBEDDINGS = "head_embeddings.npy"  # a build's copy of the target's token embeddings [V, C] fp16, for the head
 
 
+def target_to_draft(d2t: torch.Tensor, v: int) -> torch.Tensor:
+    """[V] target id -> draft id, -100 (ignored by the loss) outside the draft vocabulary; `d2t` [N]."""
+    t2d = torch.full((v,), -100, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    return t2d
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     dim: int  # the target's hidden size C

@@ -86,7 +86,7 @@ def build(cfg: BuildConfig) -> Path:
     source = Path(cfg.model) if cfg.model else default_gguf_path()
     t0 = time.perf_counter()
     stage(f"hashing source checkpoint {source}")
-    source_sha = mf.sha256(source) if source.is_file() else dir_sha(source)
+    source_sha = mf.checkpoint_sha256(source)
     store_dir, store_what = store_source(cfg.store, source_sha)
     head_file, head_what = head_source(cfg.head, source_sha)
     if head_file is not None and cfg.backend != "onnx":
@@ -240,12 +240,3 @@ def render_triton(out: Path) -> None:
     from ..triton_repo import RepoConfig, render
 
     stage(f"rendering the Triton model repository {render(RepoConfig(out))} (cpu profile)")
-
-
-def dir_sha(d: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(d.glob("*")):
-        if p.is_file():
-            h.update(p.name.encode())
-            h.update(mf.sha256(p).encode())
-    return h.hexdigest()

@@ -21,6 +21,19 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def checkpoint_sha256(path: Path) -> str:
+    """A checkpoint's identity: the sha256 of a GGUF file, or of a Hugging Face directory's files (names and
+    contents, sorted). Shipped artifacts and builds are keyed by it."""
+    if path.is_file():
+        return sha256(path)
+    h = hashlib.sha256()
+    for p in sorted(path.glob("*")):
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(sha256(p).encode())
+    return h.hexdigest()
+
+
 def tool_versions() -> dict[str, str]:
     import onnx
     import onnxruntime

@@ -244,12 +244,7 @@ def runtime(cfg: SelfDataConfig):
     if cfg.model is None and cfg.device == "cpu":
         return Runtime.from_engines(cfg.engines, load_head=False), mf.read(cfg.engines)["source"]["sha256"]
     rt = Runtime.load(cfg.model, cfg.device, cfg.dtype)
-    path = Path(cfg.model) if cfg.model else default_gguf_path()
-    if path.is_file():
-        return rt, mf.sha256(path)
-    from .build import dir_sha
-
-    return rt, dir_sha(path)
+    return rt, mf.checkpoint_sha256(Path(cfg.model) if cfg.model else default_gguf_path())
 
 
 def self_data(cfg: SelfDataConfig) -> dict:

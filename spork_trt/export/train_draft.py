@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..draft_head import DraftHead, HeadConfig, load_head
+from ..draft_head import DraftHead, HeadConfig, load_head, target_to_draft
 from ..errors import UserError
 from . import artifacts
 
@@ -309,7 +309,7 @@ def data_folder(data: Path, ck) -> Path:
         return data
     from . import manifest as mf
 
-    found = artifacts.shipped(mf.sha256(ck.path)) if ck is not None and ck.path.is_file() else None
+    found = artifacts.shipped(mf.checkpoint_sha256(ck.path)) if ck is not None else None
     if found is None:
         raise UserError("--data shipped: no corpus ships for this checkpoint; make one with `python -m export "
                         "self-data` and pass its folder")
@@ -340,9 +340,7 @@ def draft_vocab(f: Features, train: list[int], n: int, v: int) -> Vocab:
     """The `n` most frequent target top-1 tokens of the training sequences (FR-Spec / EAGLE-3 draft vocabulary)."""
     counts = Counter(np.concatenate([np.asarray(f.labels[f.seq(s)]) for s in train]).tolist())
     d2t = torch.tensor(sorted(t for t, _ in counts.most_common(n)), dtype=torch.long)  # [N]
-    t2d = torch.full((v,), -100, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
-    return Vocab(d2t, t2d, sum(counts[int(t)] for t in d2t) / sum(counts.values()))
+    return Vocab(d2t, target_to_draft(d2t, v), sum(counts[int(t)] for t in d2t) / sum(counts.values()))
 
 
 def train_epoch(head, embed, f: Features, order: list[int], t2d, opt, sched, cfg: TrainConfig, what: str) -> float:
