@@ -164,6 +164,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=["cpu", "cuda"], default=T.device)
     r.add_argument("--seed", type=int, default=T.seed)
     r.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    r.add_argument("--loss", choices=["auto", "soft", "hard"], default=T.loss,
+                   help="soft: match the target's whole next-token distribution over the draft vocabulary (needs the "
+                   "last layer tapped last); hard: its top-1 token only; auto: soft where the taps allow "
+                   "(default: %(default)s)")
     r.add_argument("--no-feature-norm", action="store_true",
                    help="feed the target's raw residual stream to the head's fc (heads before 2026-12-02)")
     v = sub.add_parser("convert-head", help="convert a published EAGLE-3 head (config.json + safetensors, Llama "
@@ -202,7 +206,7 @@ def train_draft(a) -> int:
 
     meta = train_draft(TrainConfig(Path(a.data), Path(a.out), a.model, parse_taps(a.taps), a.vocab, a.steps,
                                    a.epochs, a.lr, a.batch, limit=a.limit, device=a.device, seed=a.seed,
-                                   resume=a.resume, feature_norm=not a.no_feature_norm))
+                                   resume=a.resume, feature_norm=not a.no_feature_norm, loss=a.loss))
     print(json.dumps({k: meta[k] for k in ("epoch", "losses", "evals", "train_tokens", "vocab_coverage")}, indent=1))
     return 0
 

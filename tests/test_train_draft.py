@@ -44,7 +44,7 @@ def test_head_trains_saves_and_resumes(target, data, tmp_path):
     assert after["agreement"][0] > before["agreement"][0] + 0.1, first["evals"]
     assert after["accepted_length"] > before["accepted_length"], first["evals"]
     head, meta = load_head(tmp_path / "head" / "head.safetensors")
-    assert meta["epoch"] == 4 and head.hc.vocab == 40 and head.d2t.shape == (40,)
+    assert meta["epoch"] == 4 and head.hc.vocab == 40 and head.d2t.shape == (40,) and meta["labels"] == "soft"
     assert meta["heldout_sequences"] > 0 and meta["train_sequences"] + meta["heldout_sequences"] == 160
     more = train_draft(replace(cfg, epochs=5, resume=True), target)  # one more epoch from the checkpoint
     assert more["epoch"] == 5 and more["losses"][:4] == first["losses"] and len(more["evals"]) == 6
@@ -127,3 +127,28 @@ def test_the_head_normalises_its_features_as_the_target_normalises_its_last_hidd
     assert torch.allclose(head.gnorm(x), target.norm(x))
     old = DraftHead(HeadConfig.for_target(target.cfg, last, 40, feature_norm=False))
     assert old.gnorm is None and "gnorm.weight" not in old.state_dict()
+
+
+def test_soft_labels_are_the_targets_own_next_token_distribution(target, data, tmp_path):
+    """--loss soft trains against the target's whole distribution over the draft vocabulary, recomputed from the
+    cached last-layer feature: it is the target's softmax, its argmax the cached top-1 label. --loss hard still
+    trains; soft needs the last layer tapped last."""
+    import numpy as np
+
+    from spork_trt.export.train_draft import Teacher, extract
+    from spork_trt.model import causal_mask
+
+    seq = [3, 9, 14, 2, 30, 7]
+    f = extract(target, [seq], (1, target.cfg.n_layers), tmp_path / "feats")
+    v = target.cfg.vocab_size
+    soft = Teacher(target, torch.arange(v))(torch.from_numpy(np.asarray(f.feats, np.float32))[None, :, -target.cfg.dim:])
+    with torch.no_grad():
+        logits = target(torch.tensor([seq]), torch.arange(6)[None], causal_mask(0, 6)).logits  # [1, T, V]
+    assert torch.allclose(soft, torch.softmax(logits, -1), atol=2e-3)
+    assert soft.argmax(-1)[0].tolist() == np.asarray(f.labels).tolist()
+    cfg = TrainConfig(data=data, out=tmp_path / "hard", vocab=40, steps=2, epochs=2, lr=1e-2, seed=1, loss="hard")
+    hard = train_draft(cfg, target)
+    assert hard["labels"] == "hard" and hard["losses"][1] < hard["losses"][0]
+    assert hard["evals"][-1]["agreement"][0] > hard["evals"][0]["agreement"][0] + 0.1
+    with pytest.raises(UserError, match="--loss soft"):
+        train_draft(replace(cfg, taps=(1,), loss="soft"), target)

@@ -51,6 +51,10 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     feature_norm: bool = True  # the head normalises g before fc (HeadConfig.feature_norm)
+    # soft: cross-entropy against the target's whole next-token distribution over the draft vocabulary (EAGLE's
+    # distillation; recomputed from the cached last-layer feature, so it needs the last layer tapped last);
+    # hard: against its top-1 token only; auto: soft where the taps allow it
+    loss: str = "auto"
 
 
 def stage(msg: str) -> None:
@@ -149,9 +153,27 @@ def step_mask(j: int, t: int, valid: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def unroll(head: DraftHead, embed, tokens, feats, labels, valid, steps: int, t2d: torch.Tensor):
+class Teacher(torch.nn.Module):
+    """The target's next-token distribution over the draft vocabulary, from its last layer's output (a feature):
+    softmax(lm_head[d2t](norm(x)))."""
+
+    def __init__(self, target, d2t: torch.Tensor) -> None:
+        super().__init__()
+        self.norm = target.norm
+        self.register_buffer("w", target.lm_head.weight.detach()[d2t].clone())  # [N, C]
+
+    @torch.no_grad()
+    def forward(self, last: torch.Tensor) -> torch.Tensor:
+        """last [B, T, C] -> probabilities [B, T, N]"""
+        return torch.softmax(F.linear(self.norm(last), self.w).float(), dim=-1)
+
+
+def unroll(head: DraftHead, embed, tokens, feats, labels, valid, steps: int, t2d: torch.Tensor,
+           teacher: Teacher | None = None):
     """Run `steps` unrolled head steps over a padded batch; returns per step (loss, correct [B, T], counted [B, T]).
-    tokens, labels [B, T] (target ids); feats [B, T, k*C]; valid [B, T]."""
+    tokens, labels [B, T] (target ids); feats [B, T, k*C]; valid [B, T]. With a `teacher` the loss is the
+    cross-entropy against its distribution at p+1 (the last C columns of feats: the last layer's output), else
+    against the target's top-1."""
     b, t = tokens.shape
     pos = torch.arange(t)[None].expand(b, t)
     emb = embed(tokens[:, 1:].clamp(min=0))  # [B, T-1, C]: x_{p+1}
@@ -159,12 +181,17 @@ def unroll(head: DraftHead, embed, tokens, feats, labels, valid, steps: int, t2d
     want = F.pad(labels[:, 1:], (0, 1), value=-1)  # [B, T]: the target's top-1 for x_{p+2}
     has = valid & F.pad(valid[:, 1:], (0, 1), value=False)  # x_{p+1} and its label exist
     target = torch.where(has & (want >= 0), t2d[want.clamp(min=0)], torch.full_like(want, -100))  # draft ids
+    soft = None if teacher is None else F.pad(teacher(feats[:, 1:, -head.hc.dim:]), (0, 0, 0, 1))  # [B, T, N]
     kv, g, out = StepKV(), head.fuse(feats), []
     for j in range(1, steps + 1):
         h, logits = head(emb, g, pos, step_mask(j, t, valid), kv)
         counted = has & (pos >= j - 1)  # a depth-j node needs a chain root at p-j+1 >= 0
         tj = torch.where(counted, target, torch.full_like(target, -100))
-        loss = F.cross_entropy(logits.reshape(b * t, -1).float(), tj.reshape(-1), ignore_index=-100)
+        if soft is None:
+            loss = F.cross_entropy(logits.reshape(b * t, -1).float(), tj.reshape(-1), ignore_index=-100)
+        else:
+            rows = tj >= 0  # [B, T]
+            loss = -(soft[rows] * F.log_softmax(logits[rows].float(), dim=-1)).sum() / rows.sum().clamp(min=1)
         correct = (head.d2t[logits.argmax(-1)] == want) & counted
         out.append((loss, correct, counted))
         g = F.pad(h[:, :-1], (0, 0, 1, 0))  # step j+1 at p reads step j's output at p-1
@@ -238,6 +265,8 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     torch.manual_seed(cfg.seed)
     if cfg.epochs < 1 or cfg.steps < 1 or cfg.batch < 1 or cfg.lr <= 0:
         raise UserError("--epochs, --steps and --batch must be >= 1 and --lr > 0")
+    if cfg.loss not in ("auto", "soft", "hard"):
+        raise UserError(f"--loss {cfg.loss!r}: auto, soft or hard")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     ck = None if target is not None else load_checkpoint(cfg.model)
@@ -248,6 +277,10 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
         raise UserError(f"{data} holds no sequences: run `python -m export self-data` first")
     mcfg = target.cfg
     taps = cfg.taps or (mcfg.n_layers,)
+    if cfg.loss == "soft" and taps[-1] != mcfg.n_layers:
+        raise UserError(f"--loss soft reads the target's distribution from its last layer's output: end --taps with "
+                        f"{mcfg.n_layers} (got {','.join(map(str, taps))}), or use --loss hard")
+    soft = cfg.loss == "soft" or (cfg.loss == "auto" and taps[-1] == mcfg.n_layers)
     hc = HeadConfig.for_target(mcfg, taps, cfg.vocab, cfg.feature_norm)
     seqs = [r["ids"][:cfg.max_len] for r in rows]
     key = hashlib.sha256(json.dumps([len(seqs), seqs[-1], taps, cfg.max_len]).encode()).hexdigest()[:12]
@@ -261,6 +294,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     head.init_from_target(target, vocab.d2t)
     embed = target.embed.requires_grad_(False)
     head, embed, t2d = head.to(cfg.device), embed.to(cfg.device), vocab.t2d.to(cfg.device)
+    teacher = Teacher(target, vocab.d2t).to(cfg.device) if soft else None
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     per_epoch = math.ceil(len(train) / cfg.batch)
     total_steps, warm = per_epoch * cfg.epochs, max(1, per_epoch * cfg.epochs // 20)
@@ -273,14 +307,16 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
         stage(f"resumed after epoch {state['epoch']}")
     params = sum(p.numel() for p in head.parameters()) / 1e6
     stage(f"{len(train)} training / {len(test)} held-out sequences; draft vocabulary {cfg.vocab} tokens covers "
-          f"{vocab.coverage:.1%} of the target's top-1 tokens; {params:.1f}M parameters; {cfg.steps} unrolled steps")
+          f"{vocab.coverage:.1%} of the target's top-1 tokens; {params:.1f}M parameters; {cfg.steps} unrolled steps; "
+          f"{'soft' if soft else 'hard'} labels")
     if not state["evals"]:  # the untrained head (LM head rows copied from the target): what training adds
         state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts))]
     rng = np.random.default_rng(cfg.seed)
     orders = [by_length(f, rng.permutation(train).tolist(), cfg.batch) for _ in range(cfg.epochs)]
     ev = None
     for epoch in range(state["epoch"], cfg.epochs):
-        loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}")
+        loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}",
+                           teacher)
         ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
         state = {"epoch": epoch + 1, "losses": state["losses"] + [round(loss, 4)],
                  "evals": state["evals"] + [asdict(ev)]}
@@ -296,7 +332,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
             "train_tokens": int(sum(f.seq(s).stop - f.seq(s).start for s in train)),
             "vocab_coverage": vocab.coverage,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-            "taps": list(taps), **state, "heldout": asdict(ev)}
+            "taps": list(taps), "labels": "soft" if soft else "hard", **state, "heldout": asdict(ev)}
     head.save(cfg.out, meta)
     (cfg.out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
     stage(f"saved {cfg.out / 'head.safetensors'}")
@@ -343,13 +379,14 @@ def draft_vocab(f: Features, train: list[int], n: int, v: int) -> Vocab:
     return Vocab(d2t, target_to_draft(d2t, v), sum(counts[int(t)] for t in d2t) / sum(counts.values()))
 
 
-def train_epoch(head, embed, f: Features, order: list[int], t2d, opt, sched, cfg: TrainConfig, what: str) -> float:
+def train_epoch(head, embed, f: Features, order: list[int], t2d, opt, sched, cfg: TrainConfig, what: str,
+                teacher: Teacher | None) -> float:
     """One pass over `order` (sequence indices); the mean loss over unrolled steps and batches."""
     head.train()
     total, n, t0 = 0.0, 0, time.perf_counter()
     last = t0
     for tok, lab, fe, valid in batches(f, order, cfg.batch, cfg.max_len, cfg.device):
-        out = unroll(head, embed, tok, fe, lab, valid, cfg.steps, t2d)
+        out = unroll(head, embed, tok, fe, lab, valid, cfg.steps, t2d, teacher)
         loss = sum(o[0] for o in out) / len(out)
         opt.zero_grad()
         loss.backward()
