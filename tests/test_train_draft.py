@@ -89,6 +89,10 @@ def test_agreement_on_unseen_answers_scores_as_training_scores_its_held_out_text
     assert row["tokens"] == meta["heldout"]["tokens"] > 0
     assert row["agreement"] == pytest.approx(meta["heldout"]["agreement"], abs=1e-6)
     assert len(row["agreement"]) == 3 and row["accepted_length"] == pytest.approx(meta["heldout"]["accepted_length"])
+    buckets = row["by_confidence"]  # depth-1 agreement by the target's own confidence: the same split of the same hits
+    assert [b["share"] for b in buckets] == pytest.approx([b["share"] for b in meta["heldout"]["by_confidence"]])
+    assert sum(b["share"] for b in buckets) == pytest.approx(1.0)
+    assert sum(b["share"] * b["agreement"] for b in buckets) == pytest.approx(row["agreement"][0], abs=1e-6)
 
 
 def test_a_packed_corpus_gives_the_sequences_and_answer_starts_of_its_self_data(tmp_path):

@@ -224,20 +224,28 @@ def batches(f: Features, seqs: list[int], size: int, max_len: int, device: str):
         yield tok.to(device), lab.to(device), fe.to(device), valid.to(device)
 
 
+CONFIDENCE = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)  # lower edges of the target's top-1 probability buckets
+
+
 @dataclass(frozen=True)
 class Evaluation:
     agreement: list[float]  # per step: top-1 agreement with the target on held-out text
     accepted_length: float  # mean tokens a greedy chain of depth `steps` commits per step (accepted + 1)
     tokens: int
+    # with a teacher: per CONFIDENCE bucket of the target's own top-1 probability for the predicted token, the share
+    # of scored tokens in it and the depth-1 agreement there (hard text, or a weak head?)
+    by_confidence: list[dict] | None = None
 
 
 def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: TrainConfig,
-             starts: list[int]) -> Evaluation:
+             starts: list[int], teacher: Teacher | None = None) -> Evaluation:
     """Held-out agreement where drafting happens: predictions of answer tokens only (x_{p+2} at or after the
     sequence's answer start, `starts[s]`). The chat template's system prompt, the same in every sequence, would
     otherwise be scored too, and a head learns it by heart."""
     hits, counts = [0] * steps, [0] * steps
     chain, roots = 0.0, 0
+    edges = torch.tensor(CONFIDENCE[1:])
+    b_hits, b_counts = torch.zeros(len(CONFIDENCE)), torch.zeros(len(CONFIDENCE))
     order = by_length(f, seqs, cfg.batch, len(seqs))
     with torch.no_grad():
         for i, (tok, lab, fe, valid) in enumerate(batches(f, order, cfg.batch, cfg.max_len, cfg.device)):
@@ -248,6 +256,11 @@ def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: Tr
             for j, (_, correct, counted) in enumerate(out):
                 hits[j] += int(correct.sum())
                 counts[j] += int(counted.sum())
+            if teacher is not None:  # the target's top-1 probability at p+1, for x_{p+2}
+                conf = F.pad(teacher(fe[:, 1:, -head.hc.dim:]).amax(-1), (0, 1)).cpu()  # [B, T]
+                bucket = torch.bucketize(conf, edges, right=True)[out[0][2].cpu()]
+                b_counts += torch.bincount(bucket, minlength=len(CONFIDENCE)).float()
+                b_hits += torch.bincount(bucket, out[0][1].cpu()[out[0][2].cpu()].float(), len(CONFIDENCE))
             # a chain rooted at r accepts depth j when step j is right at r + j - 1, and every depth before it
             alive = out[0][2].clone()  # [B, T] roots with a depth-1 node
             roots += int(alive.sum())
@@ -255,7 +268,10 @@ def evaluate(head, embed, f: Features, seqs: list[int], steps: int, t2d, cfg: Tr
                 shifted = F.pad(correct[:, j:], (0, j), value=False)  # [B, T] at the root's index
                 alive &= shifted
                 chain += float(alive.sum())
-    return Evaluation([h / max(c, 1) for h, c in zip(hits, counts)], 1 + chain / max(roots, 1), counts[0])
+    by_conf = None if teacher is None else [
+        {"confidence": lo, "share": float(n / max(b_counts.sum(), 1)), "agreement": float(h / max(n, 1))}
+        for lo, h, n in zip(CONFIDENCE, b_hits, b_counts)]
+    return Evaluation([h / max(c, 1) for h, c in zip(hits, counts)], 1 + chain / max(roots, 1), counts[0], by_conf)
 
 
 def train_draft(cfg: TrainConfig, target=None) -> dict:
@@ -294,7 +310,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
     head.init_from_target(target, vocab.d2t)
     embed = target.embed.requires_grad_(False)
     head, embed, t2d = head.to(cfg.device), embed.to(cfg.device), vocab.t2d.to(cfg.device)
-    teacher = Teacher(target, vocab.d2t).to(cfg.device) if soft else None
+    teacher = Teacher(target, vocab.d2t).to(cfg.device) if taps[-1] == mcfg.n_layers else None  # soft labels
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     per_epoch = math.ceil(len(train) / cfg.batch)
     total_steps, warm = per_epoch * cfg.epochs, max(1, per_epoch * cfg.epochs // 20)
@@ -310,21 +326,21 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
           f"{vocab.coverage:.1%} of the target's top-1 tokens; {params:.1f}M parameters; {cfg.steps} unrolled steps; "
           f"{'soft' if soft else 'hard'} labels")
     if not state["evals"]:  # the untrained head (LM head rows copied from the target): what training adds
-        state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts))]
+        state["evals"] = [asdict(evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts, teacher))]
     rng = np.random.default_rng(cfg.seed)
     orders = [by_length(f, rng.permutation(train).tolist(), cfg.batch) for _ in range(cfg.epochs)]
     ev = None
     for epoch in range(state["epoch"], cfg.epochs):
         loss = train_epoch(head, embed, f, orders[epoch], t2d, opt, sched, cfg, f"epoch {epoch + 1}/{cfg.epochs}",
-                           teacher)
-        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
+                           teacher if soft else None)
+        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts, teacher)
         state = {"epoch": epoch + 1, "losses": state["losses"] + [round(loss, 4)],
                  "evals": state["evals"] + [asdict(ev)]}
         stage(f"epoch {epoch + 1}: loss {loss:.3f}; held-out agreement by depth "
               f"{', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length {ev.accepted_length:.2f}")
         checkpoint(ckpt, head, opt, sched, state)
     if ev is None:  # nothing left to train: the saved head, evaluated as this version evaluates
-        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts)
+        ev = evaluate(head.eval(), embed, f, test, cfg.steps, t2d, cfg, starts, teacher)
         stage(f"held-out agreement by depth {', '.join(f'{a:.3f}' for a in ev.agreement)}; chain accepted length "
               f"{ev.accepted_length:.2f}")
     meta = {"data": str(data), "recipe": recipe, "target_sha256": recipe.get("target_sha256"),
