@@ -49,7 +49,7 @@ def build_parser() -> Parser:
                         "higher prunes more (default: %(default)s)")
     g.add_argument("--draft", default=AUTO_DRAFT,
                    help=f"{DRAFT_HELP} (auto: store when --engines has a datastore, else ngram; hybrid: ngram, "
-                        "else self-int8; the torch engine has self-int8 and self-int4, --engines has whichever the "
+                        "else self-int8; store-eagle: the store on long matches, else the draft head and the store; the torch engine has self-int8 and self-int4, --engines has whichever the "
                         "build made) (default: %(default)s)")
     g.add_argument("--tree-width", type=int, default=None, help="forks per node, K (default: per drafter)")
     g.add_argument("--tree-depth", type=int, default=None, help="draft depth, M (default: per drafter)")

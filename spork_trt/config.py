@@ -70,7 +70,7 @@ class GenerateConfig:
 QUANTS = ("int8", "int4", "int8-dynamic", "int8-static", "fp8")
 SELF_DRAFTS = tuple(f"self-{q}" for q in QUANTS)
 AUTO_DRAFT = "auto"  # the best measured drafter a runtime has: store with a datastore, else ngram (README)
-DRAFT_HELP = f"auto | ngram | store | eagle | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
+DRAFT_HELP = f"auto | ngram | store | eagle | store-eagle | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
 
 VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well at twice the cost (README)
 
@@ -81,6 +81,7 @@ DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
     "model": (1, 4, 4),
     "eagle": (2, 4, 6),  # the learned head: a narrow tree (a CPU target pays for every node it verifies)
     "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
+    "store-eagle": (3, 6, 12),  # the store part's shape; the head drafts with eagle's
     # not swept: chains as short as self-int4's, since they agree less with the target than self-int8 (README)
     "self-int8-dynamic": (1, 3, 3), "self-int8-static": (1, 3, 3), "self-fp8": (1, 3, 3),
 }
@@ -90,7 +91,7 @@ DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
-    draft: str = "ngram"  # ngram | store | eagle | hybrid | self-Q (Q in QUANTS) | early-exit:N | model:PATH
+    draft: str = "ngram"  # ngram | store | eagle | store-eagle | hybrid | self-Q (Q in QUANTS) | early-exit:N | model:PATH
     tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
     tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
     tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step
@@ -99,6 +100,8 @@ class SpecConfig:
     cooldown: int = 4  # plain steps before probing speculation again
     ngram_max: int = 4  # longest suffix the n-gram drafter matches (it tries down to 1)
     hybrid_min_match: int = 3  # the hybrid drafter uses n-gram drafts only for suffix matches this long
+    # store-eagle: the store's tree alone where its best match is this long, else the head's with the store's forks
+    store_min_match: int = 3
     verifier: str = "auto"  # auto: score with the calibrated verifier while it pays for itself | on | off
     tau: float = 0.1  # starting pruning threshold on path survival (adapts toward target_acceptance)
     target_acceptance: float = 0.7  # acceptance rate of verified draft nodes that tau steers toward

@@ -12,7 +12,7 @@ from pathlib import Path
 from .config import AUTO_DRAFT, DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .core import Request
 from .datastore import Datastore
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter, StoreHeadDrafter
 from .eagle import EagleDrafter, lookup
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, run_alone
@@ -29,7 +29,7 @@ TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantiz
 def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
     """Validate a --draft value; returns (kind, argument)."""
     kind, _, arg = name.partition(":")
-    if kind in (AUTO_DRAFT, "ngram", "store", "eagle", "hybrid", *SELF_DRAFTS) and not arg:
+    if kind in (AUTO_DRAFT, "ngram", "store", "eagle", "store-eagle", "hybrid", *SELF_DRAFTS) and not arg:
         return kind, ""
     if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
         return kind, arg
@@ -187,6 +187,9 @@ class Runtime:
                                 "(a `python -m export train-draft` folder), then pass --engines")
             seed = None if sampling.seed is None else sampling.seed + 1
             return EagleDrafter(*self.head[:2], sampling, make_generator(seed), self.head[2])
+        if kind == "store-eagle":
+            return StoreHeadDrafter(self.drafter("store", sampling), self.drafter("eagle", sampling),
+                                    SpecConfig.for_draft("eagle"), SpecConfig.store_min_match)
         if kind == "hybrid":
             ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
             return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))

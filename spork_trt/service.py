@@ -234,7 +234,9 @@ class Service:
              ) -> Service:
         rt = Runtime.from_engines(engines, providers)
         spec = rt.resolve(SpecConfig.for_draft(draft))
-        if spec.draft not in ("ngram", "store", "hybrid"):
+        if spec.draft in ("ngram", "store", "eagle", "store-eagle"):
+            rt.drafter(spec.draft, SamplingConfig())  # a build without its datastore or head fails now, in one line
+        elif spec.draft != "hybrid":
             rt.draft_engine(spec.draft)  # load it now, not on the first request
         return cls(rt, spec, core)
 

@@ -57,6 +57,31 @@ class DraftTree:
         return DraftTree(tuple(chain) + self.tokens, parents, q, score)
 
 
+def graft(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
+    """`tree` with the nodes of `other` (the same root) that it lacks added under their parents, in `other`'s order,
+    up to `budget` draft nodes in all; each node keeps the score its own tree gave it. Deterministic trees only (no
+    proposal distributions): a node drawn by sampling is an honest draw only within its own tree."""
+    assert tree.tokens[0] == other.tokens[0] and tree.q is None and other.q is None
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    scores = list(tree.score or (1.0,) * len(tree))
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # (parent, token) -> node
+    where = {0: 0}  # other's node -> the merged tree's
+    for i in range(1, len(other)):
+        parent = where.get(other.parents[i])
+        if parent is None:
+            continue  # its parent did not fit
+        key = (parent, other.tokens[i])
+        if key not in index:
+            if len(tokens) - 1 >= budget:
+                continue
+            index[key] = len(tokens)
+            tokens.append(other.tokens[i])
+            parents.append(parent)
+            scores.append(other.score[i] if other.score else 1.0)
+        where[i] = index[key]
+    return DraftTree(tuple(tokens), tuple(parents), score=tuple(scores))
+
+
 @dataclass(frozen=True)
 class TreeBuffers:
     mask: torch.Tensor  # [1, N, P + N] bool: the prefix, the node's ancestors and itself

@@ -149,3 +149,50 @@ def test_onnx_head_step_equals_the_torch_head(target, head, tmp_path):
             or seen[-1]
         assert run(engine, PROMPTS[2], 30, d, spec).token_ids == run(TorchEngine(target), PROMPTS[2], 30).token_ids
     assert len(trees["onnx"]) > 3 and [t.tokens for t in trees["onnx"]] == [t.tokens for t in trees["torch"]]
+
+
+def test_graft_adds_the_other_trees_new_nodes_under_their_parents():
+    from spork_trt.tree import DraftTree, graft
+
+    head_tree = DraftTree((7, 1, 2, 3), (-1, 0, 1, 0), score=(1.0, 0.6, 0.3, 0.2))  # 7 -> 1 -> 2, 7 -> 3
+    store_tree = DraftTree((7, 1, 4, 5, 6), (-1, 0, 1, 0, 3), score=(1.0, 0.5, 0.5, 0.25, 0.25))  # 1 -> 4, 5 -> 6
+    got = graft(head_tree, store_tree, budget=10)
+    assert got.tokens == (7, 1, 2, 3, 4, 5, 6) and got.parents == (-1, 0, 1, 0, 1, 0, 5)
+    assert got.score == (1.0, 0.6, 0.3, 0.2, 0.5, 0.25, 0.25)  # the shared node 1 keeps the first tree's score
+    small = graft(head_tree, store_tree, budget=4)  # room for one more node: 4; then 5 does not fit, nor its child 6
+    assert small.tokens == (7, 1, 2, 3, 4) and small.parents == (-1, 0, 1, 0, 1)
+
+
+def test_store_eagle_greedy_equals_plain_and_uses_both_drafters(target, head, tmp_path):
+    """`--draft store-eagle`: the store's tree alone where it matches long, the head's with the store's forks grafted
+    on otherwise; lossless either way, alone and batched, and both branches occur."""
+    from spork_trt.datastore import Datastore
+    from spork_trt.drafters import NgramDrafter, StoreDrafter, StoreHeadDrafter
+
+    store = Datastore.build([p + run(TorchEngine(target), p, 40).token_ids for p in ([3, 1, 4], [2, 7, 1, 8])])
+    trees = {"store": 0, "head": 0}
+
+    def hybrid():
+        d = StoreHeadDrafter(StoreDrafter(NgramDrafter(4), store), drafter(head, target),
+                             SpecConfig.for_draft("eagle"), min_match=3)
+        propose = d.head.propose
+        d.head.propose = lambda root, spec: trees.__setitem__("head", trees["head"] + 1) or propose(root, spec)
+        store_propose = d.store.propose
+
+        def counted(root, spec):
+            t = store_propose(root, spec)
+            trees["store"] += max(t.score[1:], default=0) * 4 >= 3
+            return t
+        d.store.propose = counted
+        return d
+
+    engine = TorchEngine(target, taps=head.hc.taps)
+    spec = SpecConfig.for_draft("store-eagle")
+    prompts = PROMPTS + [[3, 1, 4], [2, 7, 1, 8, 5]]  # the last two: their text is in the store
+    for p in prompts:
+        assert run(engine, p, 40, hybrid(), spec).token_ids == run(TorchEngine(target), p, 40).token_ids, p
+    assert trees["store"] > 0 and trees["head"] > 0, trees
+    core = EngineCore(engine, 256, CoreConfig(slots=3, max_len=128, prefill_tokens=5))
+    out = run_core(core, [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=hybrid()) for p in prompts])
+    for i, p in enumerate(prompts):
+        assert out[i].token_ids == run(TorchEngine(target), p, 30).token_ids
