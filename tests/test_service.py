@@ -144,3 +144,10 @@ def test_cancelled_request_stops_and_sends_nothing_more(service, default_tokeniz
     prompt = default_tokenizer.encode_prompt("Write a long story about a dragon.")
     done, chunks = run(service, prompt, 200, stream=True, cancel_after=2)
     assert not done and len(chunks) == 2 and not chunks[-1].final and service.active == 0
+
+
+@pytest.mark.parametrize("draft", ["eagle", "store-eagle"])
+def test_loading_refuses_a_drafter_the_build_lacks_in_one_line(default_engines, draft):
+    """The server's model fails at load, not on its first request: a default build has a datastore, no head."""
+    with pytest.raises(UserError, match="needs a build with a draft head"):
+        Service.load(default_engines, draft)
