@@ -353,8 +353,9 @@ class StoreDrafter:
 class StoreHeadDrafter:
     """`--draft store-eagle`: the store drafter (the request's own text, then the datastore) and the learned draft
     head together. Where the store's best match is at least `min_match` tokens (likely right, free) its tree alone;
-    otherwise the head's tree with the store's forks grafted on (greedy: the scheduler's allotment picks the nodes
-    worth verifying), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
+    otherwise the store's tree with the head's nodes grafted on after its own (greedy: the scheduler's allotment picks
+    the nodes worth verifying; the store's forks keep the sibling ranks they have in its trees alone, whose odds the
+    scheduler learns), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
     head reads the target's hidden states of every commit and catches up on a step it did not draft."""
 
     store: StoreDrafter
@@ -377,7 +378,7 @@ class StoreHeadDrafter:
         mine = self.head.propose(root, self.head_spec)
         if not self.head.sampling.greedy:
             return mine
-        return graft(mine, tree, self.head_spec.tree_budget + spec.tree_budget)
+        return graft(tree, mine, self.head_spec.tree_budget + spec.tree_budget)
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.store.commit(tree, verdict)
