@@ -13,7 +13,7 @@ batched forward (`drive`). The n-gram drafter
 looks the recent suffix up in prompt + output; distinct continuations become forks. The store drafter adds forks
 from a datastore of the target's own generations where the context has too few. The hybrid drafter uses
 the n-gram drafter when the context repeats itself and a model drafter otherwise; the store-head drafter the store
-when it matches long, else the learned head's tree (eagle.py) with the store's forks grafted on.
+when it matches long, else its weak tree with the learned head's tree (eagle.py) grafted on.
 """
 from __future__ import annotations
 
