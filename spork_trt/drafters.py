@@ -12,15 +12,15 @@ proposal as a generator of its forwards, so the engine core runs every request's
 batched forward (`drive`). The n-gram drafter
 looks the recent suffix up in prompt + output; distinct continuations become forks. The store drafter adds forks
 from a datastore of the target's own generations where the context has too few. The hybrid drafter uses
-the n-gram drafter when the context repeats itself and a model drafter otherwise; the store-head drafter the store
-when it matches long, else its weak tree with the learned head's tree (eagle.py) grafted on.
+the n-gram drafter when the context repeats itself and a model drafter otherwise. The learned head's drafters
+(`--draft eagle`, `--draft store-eagle`) are in eagle.py.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ from .config import SamplingConfig, SpecConfig
 from .datastore import KEY, Datastore
 from .engines import SeqInput, chain_input, prefill
 from .sampling import processed_probs
-from .tree import DraftTree, covered, graft
+from .tree import DraftTree, covered
 from .verify import Verdict
 
 
@@ -347,42 +347,6 @@ class StoreDrafter:
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:
         self.ngram.commit(tree, verdict)
-
-
-@dataclass
-class StoreHeadDrafter:
-    """`--draft store-eagle`: the store drafter (the request's own text, then the datastore) and the learned draft
-    head together. Where the store's best match is at least `min_match` tokens (likely right, free) its tree alone;
-    otherwise the store's tree with the head's nodes grafted on after its own (greedy: the scheduler's allotment picks
-    the nodes worth verifying; the store's forks keep the sibling ranks they have in its trees alone, whose odds the
-    scheduler learns), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
-    head reads the target's hidden states of every commit and catches up on a step it did not draft."""
-
-    store: StoreDrafter
-    head: object  # eagle.EagleDrafter
-    head_spec: SpecConfig  # the head's own tree shape
-    min_match: int
-    wants_hidden: ClassVar[bool] = True
-
-    def observe(self, hidden: torch.Tensor) -> None:
-        self.head.observe(hidden)
-
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
-        self.store.reset(prompt_ids, max_len)
-        self.head.reset(prompt_ids, max_len, target)
-
-    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
-        tree = self.store.propose(root, spec)
-        if max(tree.score[1:], default=0.0) * self.store.ngram.max_n >= self.min_match:
-            return tree  # a store node's score is its matched suffix length / max_n
-        mine = self.head.propose(root, self.head_spec)
-        if not self.head.sampling.greedy:
-            return mine
-        return graft(tree, mine, self.head_spec.tree_budget + spec.tree_budget)
-
-    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
-        self.store.commit(tree, verdict)
-        self.head.commit(tree, verdict)
 
 
 def trie(root: int, continuations: list[list[int]], budget: int, scores: list[float] | None = None) -> DraftTree:

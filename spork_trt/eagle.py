@@ -15,6 +15,9 @@ its forwards (the engine core hands every forward's rows of the committed path t
 
 The head's LM head covers the N most frequent target tokens (d2t maps them back); other tokens get probability 0,
 which lossless verification allows (greedy: a draft is only a guess; sampling: q is the head's distribution).
+
+`StoreHeadDrafter` (`--draft store-eagle`) pairs the head with the store drafter (drafters.py): the store's tree alone
+where it matches long, else the store's tree with the head's grafted on.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ import torch
 
 from .config import SamplingConfig, SpecConfig
 from .draft_head import DraftHead
-from .drafters import grow_tree, level_mask
+from .drafters import StoreDrafter, grow_tree, level_mask
 from .kv_cache import KVCache, Rows
-from .tree import DraftTree
+from .tree import DraftTree, graft
 from .verify import Verdict
 
 
@@ -127,3 +130,39 @@ class EagleDrafter:
         self.take_observed()
         self.rows, self.outs = {}, {}
         assert self.cache.length + len(self.feats) == len(self.tokens), (self.cache.length, len(self.feats))
+
+
+@dataclass
+class StoreHeadDrafter:
+    """`--draft store-eagle`: the store drafter (the request's own text, then the datastore) and the learned draft
+    head together. Where the store's best match is at least `min_match` tokens (likely right, free) its tree alone;
+    otherwise the store's tree with the head's nodes grafted on after its own (greedy: the scheduler's allotment picks
+    the nodes worth verifying; the store's forks keep the sibling ranks they have in its trees alone, whose odds the
+    scheduler learns), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
+    head reads the target's hidden states of every commit and catches up on a step it did not draft."""
+
+    store: StoreDrafter
+    head: EagleDrafter
+    head_spec: SpecConfig  # the head's own tree shape
+    min_match: int
+    wants_hidden: ClassVar[bool] = True
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.head.observe(hidden)
+
+    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+        self.store.reset(prompt_ids, max_len)
+        self.head.reset(prompt_ids, max_len, target)
+
+    def propose(self, root: int, spec: SpecConfig) -> DraftTree:
+        tree = self.store.propose(root, spec)
+        if max(tree.score[1:], default=0.0) * self.store.ngram.max_n >= self.min_match:
+            return tree  # a store node's score is its matched suffix length / max_n
+        mine = self.head.propose(root, self.head_spec)
+        if not self.head.sampling.greedy:
+            return mine
+        return graft(tree, mine, self.head_spec.tree_budget + spec.tree_budget)
+
+    def commit(self, tree: DraftTree, verdict: Verdict) -> None:
+        self.store.commit(tree, verdict)
+        self.head.commit(tree, verdict)

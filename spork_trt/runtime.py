@@ -12,8 +12,8 @@ from pathlib import Path
 from .config import AUTO_DRAFT, DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .core import Request
 from .datastore import Datastore
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter, StoreHeadDrafter
-from .eagle import EagleDrafter, lookup
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
+from .eagle import EagleDrafter, StoreHeadDrafter, lookup
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, run_alone
 from .sampling import make_generator

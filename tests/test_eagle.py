@@ -167,7 +167,8 @@ def test_store_eagle_greedy_equals_plain_and_uses_both_drafters(target, head, tm
     """`--draft store-eagle`: the store's tree alone where it matches long, the head's with the store's forks grafted
     on otherwise; lossless either way, alone and batched, and both branches occur."""
     from spork_trt.datastore import Datastore
-    from spork_trt.drafters import NgramDrafter, StoreDrafter, StoreHeadDrafter
+    from spork_trt.drafters import NgramDrafter, StoreDrafter
+    from spork_trt.eagle import StoreHeadDrafter
 
     store = Datastore.build([p + run(TorchEngine(target), p, 40).token_ids for p in ([3, 1, 4], [2, 7, 1, 8])])
     trees = {"store": 0, "head": 0}

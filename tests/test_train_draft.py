@@ -10,7 +10,8 @@ import torch
 
 from spork_trt.draft_head import load_head
 from spork_trt.errors import UserError
-from spork_trt.export.train_draft import TrainConfig, step_mask, train_draft
+from spork_trt.export.train_draft import TrainConfig, train_draft
+from spork_trt.export.unroll import step_mask
 from spork_trt.weights import random_checkpoint
 from tests.conftest import tiny_config, write_selfdata
 
@@ -51,7 +52,7 @@ def test_head_trains_saves_and_resumes(target, data, tmp_path):
 
 
 def test_feature_extraction_resumes_where_it_stopped(target, tmp_path):
-    from spork_trt.export.train_draft import extract
+    from spork_trt.export.head_data import extract
 
     seqs = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
     full = extract(target, seqs, (1, 3), tmp_path / "full")
@@ -79,7 +80,7 @@ def test_agreement_on_unseen_answers_scores_as_training_scores_its_held_out_text
     import json
 
     from bench.head_agreement import head_rows
-    from spork_trt.export.train_draft import heldout
+    from spork_trt.export.head_data import heldout
 
     meta = train_draft(TrainConfig(data=data, out=tmp_path / "head", vocab=40, steps=3, epochs=1, lr=1e-2, seed=2),
                        target)
@@ -139,13 +140,15 @@ def test_soft_labels_are_the_targets_own_next_token_distribution(target, data, t
     trains; soft needs the last layer tapped last."""
     import numpy as np
 
-    from spork_trt.export.train_draft import Teacher, extract
+    from spork_trt.export.head_data import extract
+    from spork_trt.export.unroll import Teacher
     from spork_trt.model import causal_mask
 
     seq = [3, 9, 14, 2, 30, 7]
     f = extract(target, [seq], (1, target.cfg.n_layers), tmp_path / "feats")
     v = target.cfg.vocab_size
-    soft = Teacher(target, torch.arange(v))(torch.from_numpy(np.asarray(f.feats, np.float32))[None, :, -target.cfg.dim:])
+    last = torch.from_numpy(np.asarray(f.feats, np.float32))[None, :, -target.cfg.dim:]  # [1, T, C]
+    soft = Teacher(target, torch.arange(v))(last)
     with torch.no_grad():
         logits = target(torch.tensor([seq]), torch.arange(6)[None], causal_mask(0, 6)).logits  # [1, T, V]
     assert torch.allclose(soft, torch.softmax(logits, -1), atol=2e-3)
