@@ -3,9 +3,11 @@
 Scores (cheap, online; the engine core pools them per drafter over its requests): P(node accepted | parent
 accepted) per (depth, sibling rank), and per (depth, rank, strength) where strength buckets the drafter's own
 score of the node (its matched suffix length for the n-gram and store drafters, its probability for model
-drafters), kept as decayed counts of the target's verdicts over every proposed node whose parent lies on the
-committed path, verified or not (`learn`); a (depth, rank, strength) estimate starts from its (depth, rank) one
-(STRENGTH_PRIOR pseudo counts) and moves with its own verdicts. A node's path survival is the product along its
+drafters); a combined drafter's second source (store-eagle: the head's nodes grafted onto the store's tree) has
+tables of its own, its nodes ranked among their siblings from that source. They are kept as decayed counts of the
+target's verdicts over every proposed node whose parent lies on the committed path, verified or not (`learn`); a
+(depth, rank, strength) estimate starts from its (depth, rank) one (STRENGTH_PRIOR pseudo counts) and moves with its
+own verdicts. A node's path survival is the product along its
 path. Costs: the engine core's CostModel (seconds of a target forward by the tokens it runs, all requests
 together) and moving averages of tokens per second of speculative and plain steps. Each step:
   - prune (greedy only): each request offers its nodes most likely first (`candidates`: sorted by path survival, so
@@ -161,12 +163,13 @@ class Scheduler:
         self.probe_in -= 1
         return self.probe_in <= 0
 
-    def p_accept(self, depth: int, rank: int, strength: int | None = None) -> float:
-        a, n = self.odds.get((depth, rank), (0.0, 0.0))
+    def p_accept(self, depth: int, rank: int, strength: int | None = None, source: int = 0) -> float:
+        keys = odds_keys(depth, rank, strength, source)
+        a, n = self.odds.get(keys[0], (0.0, 0.0))
         coarse = (a + PRIOR[0]) / (n + PRIOR[1])
         if strength is None:
             return coarse
-        a, n = self.odds.get((depth, rank, strength), (0.0, 0.0))
+        a, n = self.odds.get(keys[1], (0.0, 0.0))
         return (a + STRENGTH_PRIOR * coarse) / (n + STRENGTH_PRIOR)
 
     def candidates(self, tree: DraftTree, greedy: bool, survival=None) -> Candidates:
@@ -185,10 +188,10 @@ class Scheduler:
     def odds_survival(self, tree: DraftTree) -> list[float]:
         """[N] path survival by the learned (depth, rank) acceptance odds alone."""
         depth, rank = features(tree)
-        strength = strengths(tree)
+        strength, source = strengths(tree), sources(tree)
         odds = [1.0]
         for i in range(1, len(tree)):
-            odds.append(odds[tree.parents[i]] * self.p_accept(depth[i], rank[i], strength[i]))
+            odds.append(odds[tree.parents[i]] * self.p_accept(depth[i], rank[i], strength[i], source[i]))
         return odds
 
     def allot_alone(self, cands: Candidates) -> list[int]:
@@ -241,15 +244,14 @@ class Scheduler:
         (`committed`: the accepted tokens, then the target's own). So a node the allotment dropped teaches as much as
         one it verified; learning from verified nodes only, odds that fell too low to be verified never rose again
         (under load no node was verified for the rest of the text)."""
-        (depth, rank), strength = features(tree), strengths(tree)
+        (depth, rank), strength, source = features(tree), strengths(tree), sources(tree)
         on_path = [True]  # [N] the node's tokens from the root are the committed ones
         for i in range(1, len(tree)):
             fair = on_path[tree.parents[i]] and depth[i] <= len(committed)
             hit = fair and tree.tokens[i] == committed[depth[i] - 1]
             on_path.append(hit)
             if fair:
-                keys = [(depth[i], rank[i])] + ([] if strength[i] is None else [(depth[i], rank[i], strength[i])])
-                for key in keys:
+                for key in odds_keys(depth[i], rank[i], strength[i], source[i]):
                     odds = self.odds.setdefault(key, [0.0, 0.0])
                     odds[0], odds[1] = odds[0] * DECAY + hit, odds[1] * DECAY + 1
 
@@ -281,12 +283,26 @@ def strengths(tree: DraftTree) -> list[int | None]:
     return [round(min(max(float(x), 0.0), 1.0) * STRENGTHS) for x in tree.score]
 
 
+def sources(tree: DraftTree) -> list[int]:
+    """Per node: which source of a combined drafter proposed it (0 where the tree does not say)."""
+    return list(tree.source) if tree.source is not None else [0] * len(tree)
+
+
+def odds_keys(depth: int, rank: int, strength: int | None, source: int) -> list[tuple]:
+    """The odds table's keys for a node: (depth, rank), then with its strength bucket when the drafter scores
+    nodes; a source after the first (a grafted tree's nodes) keeps its own, tagged ("source", s, ...)."""
+    coarse = (depth, rank) if not source else ("source", source, depth, rank)
+    return [coarse] + ([] if strength is None else [(*coarse, strength)])
+
+
 def features(tree: DraftTree) -> tuple[list[int], list[int]]:
-    """Per node: depth (root 0) and rank among its siblings (drafting order: 0 is the drafter's first choice)."""
+    """Per node: depth (root 0) and rank among its siblings from the same source (drafting order: 0 is that
+    drafter's first choice)."""
     depth, rank, seen = [0], [0], {}
+    src = sources(tree)
     for i in range(1, len(tree)):
         p = tree.parents[i]
         depth.append(depth[p] + 1)
-        rank.append(seen.get(p, 0))
-        seen[p] = rank[-1] + 1
+        rank.append(seen.get((p, src[i]), 0))
+        seen[(p, src[i])] = rank[-1] + 1
     return depth, rank

@@ -22,6 +22,9 @@ class DraftTree:
     # [N] the drafter's own confidence in each node, in [0, 1] (model drafters: the draft probability of the node
     # given its parent; n-gram: the matched suffix length / the longest it tries); None: none given. Row 0 unused.
     score: tuple[float, ...] | None = None
+    # [N] which of a combined drafter's sources proposed each node (0: the first tree; `graft` numbers the nodes it
+    # adds after it); the scheduler keeps acceptance odds per source. None: one source. Row 0 unused.
+    source: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents) and self.parents[0] == -1, self.parents
@@ -42,7 +45,8 @@ class DraftTree:
         parents = tuple(-1 if i == 0 else new[self.parents[old]] for i, old in enumerate(keep))
         q = None if self.q is None else self.q[list(keep)]
         score = None if self.score is None else tuple(self.score[i] for i in keep)
-        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score)
+        source = None if self.source is None else tuple(self.source[i] for i in keep)
+        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score, source)
 
 
     def after(self, chain: list[int]) -> DraftTree:
@@ -54,16 +58,20 @@ class DraftTree:
         parents = tuple(range(-1, b - 1)) + tuple(b - 1 if p < 0 else p + b for p in self.parents)
         q = None if self.q is None else torch.cat([self.q.new_zeros(b, self.q.shape[1]), self.q])
         score = None if self.score is None else (1.0,) * b + self.score
-        return DraftTree(tuple(chain) + self.tokens, parents, q, score)
+        source = None if self.source is None else (0,) * b + self.source
+        return DraftTree(tuple(chain) + self.tokens, parents, q, score, source)
 
 
 def graft(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
     """`tree` with the nodes of `other` (the same root) that it lacks added under their parents, in `other`'s order,
-    up to `budget` draft nodes in all; each node keeps the score its own tree gave it. Deterministic trees only (no
-    proposal distributions): a node drawn by sampling is an honest draw only within its own tree."""
+    up to `budget` draft nodes in all; each node keeps the score its own tree gave it, and the added ones are tagged
+    as a source of their own (numbered after `tree`'s). Deterministic trees only (no proposal distributions): a node
+    drawn by sampling is an honest draw only within its own tree."""
     assert tree.tokens[0] == other.tokens[0] and tree.q is None and other.q is None
     tokens, parents = list(tree.tokens), list(tree.parents)
     scores = list(tree.score or (1.0,) * len(tree))
+    sources = list(tree.source or (0,) * len(tree))
+    first = max(sources) + 1  # other's source 0 becomes this
     index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # (parent, token) -> node
     where = {0: 0}  # other's node -> the merged tree's
     for i in range(1, len(other)):
@@ -78,8 +86,9 @@ def graft(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
             tokens.append(other.tokens[i])
             parents.append(parent)
             scores.append(other.score[i] if other.score else 1.0)
+            sources.append(first + (other.source[i] if other.source else 0))
         where[i] = index[key]
-    return DraftTree(tuple(tokens), tuple(parents), score=tuple(scores))
+    return DraftTree(tuple(tokens), tuple(parents), score=tuple(scores), source=tuple(sources))
 
 
 @dataclass(frozen=True)

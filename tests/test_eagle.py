@@ -159,6 +159,8 @@ def test_graft_adds_the_other_trees_new_nodes_under_their_parents():
     got = graft(head_tree, store_tree, budget=10)
     assert got.tokens == (7, 1, 2, 3, 4, 5, 6) and got.parents == (-1, 0, 1, 0, 1, 0, 5)
     assert got.score == (1.0, 0.6, 0.3, 0.2, 0.5, 0.25, 0.25)  # the shared node 1 keeps the first tree's score
+    assert got.source == (0, 0, 0, 0, 1, 1, 1)  # the added nodes are tagged as the second source
+    assert got.subtree([0, 1, 4]).source == (0, 0, 1) and got.after([9]).source == (0, 0, 0, 0, 0, 1, 1, 1)
     small = graft(head_tree, store_tree, budget=4)  # room for one more node: 4; then 5 does not fit, nor its child 6
     assert small.tokens == (7, 1, 2, 3, 4) and small.parents == (-1, 0, 1, 0, 1)
 

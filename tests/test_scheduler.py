@@ -74,6 +74,21 @@ def test_odds_by_the_drafters_score_separate_strong_nodes_from_weak_ones():
     assert s.odds_survival(DraftTree((0, 10), (-1, 0)))[1] == coarse  # a drafter without scores
 
 
+def test_a_grafted_sources_nodes_keep_odds_of_their_own():
+    """store-eagle: the head's nodes grafted onto the store's tree are ranked among their own source's siblings and
+    learn their own odds, so nodes of a source that keeps failing are pruned while the other's are kept."""
+    s = sched()
+    # the store's fork 10 and the head's 20 (both rank 0 of their source), then the head's 21 (rank 1)
+    tree = DraftTree((0, 10, 20, 21), (-1, 0, 0, 0), score=(1.0, 0.5, 0.5, 0.5), source=(0, 0, 1, 1))
+    assert features(tree) == ([0, 1, 1, 1], [0, 0, 0, 1])
+    for _ in range(30):
+        s.record(tree, Verdict((0, 2), (20,), 99), True, 0.01, 0.02)  # the head's first choice is right
+    assert s.odds[(1, 0)][0] == 0.0 and s.odds[("source", 1, 1, 0)][0] > 15 and s.odds[("source", 1, 1, 1)][0] == 0
+    assert s.p_accept(1, 0, 2, source=1) > 0.85 > 0.15 > s.p_accept(1, 0, 2)
+    s.costs.set({0: 1.0, 1: 1.2, 2: 1.6, 3: 2.4})
+    assert s.prune(tree, greedy=True) == [0, 2]  # same depth, rank and strength: only the source tells them apart
+
+
 def test_level_3_fallback_after_failures_and_when_slower_than_plain():
     s = sched(fail_limit=2, cooldown=3)
     root = DraftTree.root_only(5)
