@@ -31,11 +31,21 @@ def run_arms(a) -> list[Path]:
             cmd += ["--engines", a.engines] if a.engines else []
             cmd += ["--seed", str(a.seed)] if a.seed is not None else []
             print(f"[bench] {prompts} / {arm}", file=sys.stderr, flush=True)
-            if subprocess.run(cmd).returncode != 0:
+            if subprocess.run(cmd, preexec_fn=die_with_parent).returncode != 0:
                 raise UserError(f"arm {arm} on {prompts} failed (its message is above); the records of the arms "
                                 f"before it are in {out}")
             files.append(f)
     return files
+
+
+def die_with_parent() -> None:
+    """A worker's preexec_fn: it gets SIGTERM when `bench run` dies (Linux PR_SET_PDEATHSIG), so a killed run leaves
+    no worker behind still writing the records a rerun writes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def summarize(files: list[Path]) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import sys
@@ -61,7 +62,8 @@ def main(a) -> int:
               "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}
     ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
     run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling))  # warm-up
-    with open(a.out, "w") as fh:
+    part = Path(f"{a.out}.{os.getpid()}.part")  # renamed to --out when complete: never a partial record file
+    with open(part, "w") as fh:
         for r, p in tqdm(list(zip(rows, ids)), desc=arm.name, file=sys.stderr, leave=False):
             t = time.perf_counter()
             token_ids, st = run(p, cfg)
@@ -78,4 +80,5 @@ def main(a) -> int:
                                  "token_ids": token_ids}) + "\n")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         fh.write(json.dumps({**common, "peak_rss_mb": peak_mb}) + "\n")
+    os.replace(part, a.out)
     return 0
