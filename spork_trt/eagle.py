@@ -22,7 +22,7 @@ where it matches long, else the store's tree with the head's grafted on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -137,9 +137,10 @@ class StoreHeadDrafter:
     """`--draft store-eagle`: the store drafter (the request's own text, then the datastore) and the learned draft
     head together. Where the store's best match is at least `min_match` tokens (likely right, free) its tree alone;
     otherwise the store's tree with the head's nodes grafted on after its own (greedy: the scheduler's allotment picks
-    the nodes worth verifying; the store's forks keep the sibling ranks they have in its trees alone, whose odds the
-    scheduler learns), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
-    head reads the target's hidden states of every commit and catches up on a step it did not draft."""
+    the nodes worth verifying; the head's nodes are tagged as a second source, whose odds the scheduler keeps apart
+    from the store's), or the head's tree alone (sampling: a drawn node is lossless only within its own tree). The
+    head drafts no deeper than the scheduler's current depth (halved after failed steps: fewer head forwards). It
+    reads the target's hidden states of every commit and catches up on a step it did not draft."""
 
     store: StoreDrafter
     head: EagleDrafter
@@ -158,7 +159,8 @@ class StoreHeadDrafter:
         tree = self.store.propose(root, spec)
         if max(tree.score[1:], default=0.0) * self.store.ngram.max_n >= self.min_match:
             return tree  # a store node's score is its matched suffix length / max_n
-        mine = self.head.propose(root, self.head_spec)
+        mine = self.head.propose(root, replace(self.head_spec, tree_depth=min(self.head_spec.tree_depth,
+                                                                             spec.tree_depth)))
         if not self.head.sampling.greedy:
             return mine
         return graft(tree, mine, self.head_spec.tree_budget + spec.tree_budget)

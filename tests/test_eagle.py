@@ -199,3 +199,23 @@ def test_store_eagle_greedy_equals_plain_and_uses_both_drafters(target, head, tm
     out = run_core(core, [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=hybrid()) for p in prompts])
     for i, p in enumerate(prompts):
         assert out[i].token_ids == run(TorchEngine(target), p, 30).token_ids
+
+
+def test_store_eagle_head_drafts_no_deeper_than_the_schedulers_depth():
+    """Where the store matches weakly the head drafts with its own shape, cut to the scheduler's current depth (halved
+    after failed steps), and its nodes come tagged as the second source."""
+    from types import SimpleNamespace
+
+    from spork_trt.eagle import StoreHeadDrafter
+    from spork_trt.tree import DraftTree
+
+    asked = []
+    store = SimpleNamespace(ngram=SimpleNamespace(max_n=4),
+                            propose=lambda root, spec: DraftTree((root, 5), (-1, 0), score=(1.0, 0.25)))
+    head = SimpleNamespace(sampling=SamplingConfig(), propose=lambda root, spec: asked.append(spec.tree_depth)
+                           or DraftTree((root, 6), (-1, 0), score=(1.0, 0.9)))
+    d = StoreHeadDrafter(store, head, SpecConfig.for_draft("eagle"), min_match=3)
+    for depth in (6, 2, 1):
+        tree = d.propose(1, SpecConfig.for_draft("store-eagle", depth=depth))
+        assert tree.tokens == (1, 5, 6) and tree.source == (0, 0, 1)
+    assert asked == [SpecConfig.for_draft("eagle").tree_depth, 2, 1]
