@@ -62,6 +62,7 @@ def main(a) -> int:
               "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}
     ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
     run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling))  # warm-up
+    Path(a.out).unlink(missing_ok=True)  # a failed rerun leaves no earlier run's records to be read as its own
     part = Path(f"{a.out}.{os.getpid()}.part")  # renamed to --out when complete: never a partial record file
     with open(part, "w") as fh:
         for r, p in tqdm(list(zip(rows, ids)), desc=arm.name, file=sys.stderr, leave=False):

@@ -81,7 +81,7 @@ DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
     "model": (1, 4, 4),
     "eagle": (2, 4, 6),  # the learned head: a narrow tree (a CPU target pays for every node it verifies)
     "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
-    "store-eagle": (3, 6, 12),  # the store part's shape; the head drafts with eagle's
+    "store-eagle": (3, 6, 12),  # the store part's shape; the head drafts with eagle's, cut to the current depth
     # not swept: chains as short as self-int4's, since they agree less with the target than self-int8 (README)
     "self-int8-dynamic": (1, 3, 3), "self-int8-static": (1, 3, 3), "self-fp8": (1, 3, 3),
 }

@@ -155,9 +155,10 @@ class EngineCore:
         self.active: list[Request] = []
         self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
         self.switch = DraftSwitch()  # whether a step proposes at all, measured per batch size
-        # per drafter: acceptance odds by (depth, rank[, strength]) pooled over its requests (Scheduler.odds): a
-        # request of 128 tokens sees too few verdicts to learn them alone (its estimates stayed near the 0.5 prior,
-        # about twice what the store's nodes are accepted at); shared, the allotment's expectations match
+        # per drafter: acceptance odds by ([source,] depth, rank[, strength]) pooled over its requests
+        # (Scheduler.odds): a request of 128 tokens sees too few verdicts to learn them alone (its estimates stayed
+        # near the 0.5 prior, about twice what the store's nodes are accepted at); shared, the allotment's
+        # expectations match
         self.odds: dict[str, dict] = {}
 
     def add(self, r: Request) -> Request:

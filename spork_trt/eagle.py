@@ -161,8 +161,8 @@ class StoreHeadDrafter:
             return tree  # a store node's score is its matched suffix length / max_n
         mine = self.head.propose(root, replace(self.head_spec, tree_depth=min(self.head_spec.tree_depth,
                                                                              spec.tree_depth)))
-        if not self.head.sampling.greedy:
-            return mine
+        if not self.head.sampling.greedy:  # the head's own source: its odds stay apart from the store's
+            return replace(mine, source=(0,) + (1,) * (len(mine) - 1))
         return graft(tree, mine, self.head_spec.tree_budget + spec.tree_budget)
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None:

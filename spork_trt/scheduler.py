@@ -4,7 +4,7 @@ Scores (cheap, online; the engine core pools them per drafter over its requests)
 accepted) per (depth, sibling rank), and per (depth, rank, strength) where strength buckets the drafter's own
 score of the node (its matched suffix length for the n-gram and store drafters, its probability for model
 drafters); a combined drafter's second source (store-eagle: the head's nodes grafted onto the store's tree) has
-tables of its own, its nodes ranked among their siblings from that source. They are kept as decayed counts of the
+tables of its own, its nodes ranked as in the head's own tree. They are kept as decayed counts of the
 target's verdicts over every proposed node whose parent lies on the committed path, verified or not (`learn`); a
 (depth, rank, strength) estimate starts from its (depth, rank) one (STRENGTH_PRIOR pseudo counts) and moves with its
 own verdicts. A node's path survival is the product along its
@@ -296,13 +296,9 @@ def odds_keys(depth: int, rank: int, strength: int | None, source: int) -> list[
 
 
 def features(tree: DraftTree) -> tuple[list[int], list[int]]:
-    """Per node: depth (root 0) and rank among its siblings from the same source (drafting order: 0 is that
-    drafter's first choice)."""
-    depth, rank, seen = [0], [0], {}
-    src = sources(tree)
-    for i in range(1, len(tree)):
-        p = tree.parents[i]
+    """Per node: depth (root 0) and rank among its siblings in its own drafter's tree (0: that drafter's first
+    choice; DraftTree.ranks)."""
+    depth = [0]
+    for p in tree.parents[1:]:
         depth.append(depth[p] + 1)
-        rank.append(seen.get((p, src[i]), 0))
-        seen[(p, src[i])] = rank[-1] + 1
-    return depth, rank
+    return depth, list(tree.ranks())

@@ -25,13 +25,27 @@ class DraftTree:
     # [N] which of a combined drafter's sources proposed each node (0: the first tree; `graft` numbers the nodes it
     # adds after it); the scheduler keeps acceptance odds per source. None: one source. Row 0 unused.
     source: tuple[int, ...] | None = None
+    # [N] each node's rank among its siblings in its own drafter's tree (`graft`: a grafted node keeps the rank it had
+    # in its tree, its siblings merged into the first tree's nodes counted); None: the drafting order. Row 0 unused.
+    rank: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents) and self.parents[0] == -1, self.parents
         assert all(0 <= p < i for i, p in enumerate(self.parents) if i), self.parents
+        assert all(x is None or len(x) == len(self.tokens) for x in (self.score, self.source, self.rank))
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def ranks(self) -> tuple[int, ...]:
+        """[N] each node's rank among its siblings (0: its drafter's first choice); root 0."""
+        if self.rank is not None:
+            return self.rank
+        rank, seen = [0], {}
+        for p in self.parents[1:]:
+            rank.append(seen.get(p, 0))
+            seen[p] = rank[-1] + 1
+        return tuple(rank)
 
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
@@ -46,8 +60,8 @@ class DraftTree:
         q = None if self.q is None else self.q[list(keep)]
         score = None if self.score is None else tuple(self.score[i] for i in keep)
         source = None if self.source is None else tuple(self.source[i] for i in keep)
-        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score, source)
-
+        rank = tuple(self.ranks()[i] for i in keep)  # a pruned node's siblings keep their ranks
+        return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score, source, rank)
 
     def after(self, chain: list[int]) -> DraftTree:
         """This tree below a chain of tokens (committed tokens the target has not run yet, gate mode): the chain
@@ -59,18 +73,20 @@ class DraftTree:
         q = None if self.q is None else torch.cat([self.q.new_zeros(b, self.q.shape[1]), self.q])
         score = None if self.score is None else (1.0,) * b + self.score
         source = None if self.source is None else (0,) * b + self.source
-        return DraftTree(tuple(chain) + self.tokens, parents, q, score, source)
+        rank = None if self.rank is None else (0,) * b + self.rank
+        return DraftTree(tuple(chain) + self.tokens, parents, q, score, source, rank)
 
 
 def graft(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
     """`tree` with the nodes of `other` (the same root) that it lacks added under their parents, in `other`'s order,
-    up to `budget` draft nodes in all; each node keeps the score its own tree gave it, and the added ones are tagged
-    as a source of their own (numbered after `tree`'s). Deterministic trees only (no proposal distributions): a node
-    drawn by sampling is an honest draw only within its own tree."""
+    up to `budget` draft nodes in all; each node keeps the score and sibling rank its own tree gave it, and the added
+    ones are tagged as a source of their own (numbered after `tree`'s). Deterministic trees only (no proposal
+    distributions): a node drawn by sampling is an honest draw only within its own tree."""
     assert tree.tokens[0] == other.tokens[0] and tree.q is None and other.q is None
     tokens, parents = list(tree.tokens), list(tree.parents)
     scores = list(tree.score or (1.0,) * len(tree))
     sources = list(tree.source or (0,) * len(tree))
+    ranks, their_ranks = list(tree.ranks()), other.ranks()
     first = max(sources) + 1  # other's source 0 becomes this
     index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # (parent, token) -> node
     where = {0: 0}  # other's node -> the merged tree's
@@ -87,8 +103,9 @@ def graft(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
             parents.append(parent)
             scores.append(other.score[i] if other.score else 1.0)
             sources.append(first + (other.source[i] if other.source else 0))
+            ranks.append(their_ranks[i])
         where[i] = index[key]
-    return DraftTree(tuple(tokens), tuple(parents), score=tuple(scores), source=tuple(sources))
+    return DraftTree(tuple(tokens), tuple(parents), score=tuple(scores), source=tuple(sources), rank=tuple(ranks))
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ speedup ceiling a draft's cost sets."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -233,22 +235,28 @@ def test_core_bench_prices_both_modes_with_one_fitted_cost_table():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_bench_run_takes_its_worker_with_it():
-    """`bench run` starts each arm's worker with `die_with_parent`: killing the run (pkill) ends the worker too, so
-    none is left writing the records a rerun writes (it happened: a spoiled plain file)."""
+    """`bench run` starts each arm's worker with `die_with_parent`: killing the run (here SIGKILL, as pkill -9) ends
+    the worker too, so none is left writing the records a rerun writes (it happened: a spoiled plain file)."""
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
         "from bench.run import die_with_parent\n"
         "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=die_with_parent)\n"
         "print(w.pid, flush=True)\n"
         "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
-    worker = int(parent.stdout.readline())
-    assert state(worker) not in ("gone", "Z")  # running
-    parent.kill()
-    parent.wait()
-    deadline = time.time() + 10
-    while state(worker) not in ("gone", "Z") and time.time() < deadline:
-        time.sleep(0.05)
-    assert state(worker) in ("gone", "Z")  # ended (a zombie until whoever adopted it reaps it)
+    with parent.stdout:
+        worker = int(parent.stdout.readline())
+    try:
+        assert state(worker) not in ("gone", "Z")  # running
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 10
+        while state(worker) not in ("gone", "Z") and time.time() < deadline:
+            time.sleep(0.05)
+        assert state(worker) in ("gone", "Z")  # ended (a zombie until whoever adopted it reaps it)
+    finally:
+        parent.kill()
+        if state(worker) not in ("gone", "Z"):
+            os.kill(worker, signal.SIGKILL)
 
 
 def state(pid: int) -> str:

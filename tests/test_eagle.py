@@ -160,7 +160,12 @@ def test_graft_adds_the_other_trees_new_nodes_under_their_parents():
     assert got.tokens == (7, 1, 2, 3, 4, 5, 6) and got.parents == (-1, 0, 1, 0, 1, 0, 5)
     assert got.score == (1.0, 0.6, 0.3, 0.2, 0.5, 0.25, 0.25)  # the shared node 1 keeps the first tree's score
     assert got.source == (0, 0, 0, 0, 1, 1, 1)  # the added nodes are tagged as the second source
-    assert got.subtree([0, 1, 4]).source == (0, 0, 1) and got.after([9]).source == (0, 0, 0, 0, 0, 1, 1, 1)
+    # ... and keep their ranks in their own tree: 4 was the second's first choice under 1, 5 its second at the root
+    # (its first, 1, merged into the first tree's node)
+    assert got.ranks() == (0, 0, 0, 1, 0, 1, 0)
+    cut = got.subtree([0, 1, 4, 5])
+    assert cut.source == (0, 0, 1, 1) and cut.ranks() == (0, 0, 0, 1)  # a pruned sibling does not move a rank
+    assert got.after([9]).source == (0, 0, 0, 0, 0, 1, 1, 1) and got.after([9]).ranks() == (0, 0, 0, 0, 1, 0, 1, 0)
     small = graft(head_tree, store_tree, budget=4)  # room for one more node: 4; then 5 does not fit, nor its child 6
     assert small.tokens == (7, 1, 2, 3, 4) and small.parents == (-1, 0, 1, 0, 1)
 
@@ -217,5 +222,5 @@ def test_store_eagle_head_drafts_no_deeper_than_the_schedulers_depth():
     d = StoreHeadDrafter(store, head, SpecConfig.for_draft("eagle"), min_match=3)
     for depth in (6, 2, 1):
         tree = d.propose(1, SpecConfig.for_draft("store-eagle", depth=depth))
-        assert tree.tokens == (1, 5, 6) and tree.source == (0, 0, 1)
+        assert tree.tokens == (1, 5, 6) and tree.source == (0, 0, 1) and tree.ranks() == (0, 0, 0)
     assert asked == [SpecConfig.for_draft("eagle").tree_depth, 2, 1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from spork_trt.config import SpecConfig
 from spork_trt.scheduler import Scheduler, features
-from spork_trt.tree import DraftTree
+from spork_trt.tree import DraftTree, graft
 from spork_trt.verify import Verdict
 
 TREE = DraftTree((0, 10, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 1, 3, 5))  # two forks at the root and under node 1
@@ -78,9 +78,10 @@ def test_a_grafted_sources_nodes_keep_odds_of_their_own():
     """store-eagle: the head's nodes grafted onto the store's tree are ranked among their own source's siblings and
     learn their own odds, so nodes of a source that keeps failing are pruned while the other's are kept."""
     s = sched()
-    # the store's fork 10 and the head's 20 (both rank 0 of their source), then the head's 21 (rank 1)
-    tree = DraftTree((0, 10, 20, 21), (-1, 0, 0, 0), score=(1.0, 0.5, 0.5, 0.5), source=(0, 0, 1, 1))
-    assert features(tree) == ([0, 1, 1, 1], [0, 0, 0, 1])
+    # the store's fork 10 and the head's 20 and 21 grafted on (ranks 0 and 1 in the head's tree)
+    tree = graft(DraftTree((0, 10), (-1, 0), score=(1.0, 0.5)),
+                 DraftTree((0, 20, 21), (-1, 0, 0), score=(1.0, 0.5, 0.5)), budget=8)
+    assert tree.source == (0, 0, 1, 1) and features(tree) == ([0, 1, 1, 1], [0, 0, 0, 1])
     for _ in range(30):
         s.record(tree, Verdict((0, 2), (20,), 99), True, 0.01, 0.02)  # the head's first choice is right
     assert s.odds[(1, 0)][0] == 0.0 and s.odds[("source", 1, 1, 0)][0] > 15 and s.odds[("source", 1, 1, 1)][0] == 0
