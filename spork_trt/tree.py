@@ -60,7 +60,8 @@ class DraftTree:
         q = None if self.q is None else self.q[list(keep)]
         score = None if self.score is None else tuple(self.score[i] for i in keep)
         source = None if self.source is None else tuple(self.source[i] for i in keep)
-        rank = tuple(self.ranks()[i] for i in keep)  # a pruned node's siblings keep their ranks
+        ranks = self.ranks()
+        rank = tuple(ranks[i] for i in keep)  # a pruned node's siblings keep their ranks
         return DraftTree(tuple(self.tokens[i] for i in keep), parents, q, score, source, rank)
 
     def after(self, chain: list[int]) -> DraftTree:
