@@ -6,6 +6,7 @@ from spork_trt.errors import UserError
 EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
+  python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
                         "peer/hf-greedy | peer/hf-prompt-lookup | peer/llama-cpp | peer/llama-cpp-prompt-lookup | "
                         "peer/ort-genai (llama.cpp and onnxruntime-genai: `make bench-peers` installs them)")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
+    r.add_argument("--rounds", type=int, default=4, help="run each prompt set in R interleaved rounds, every arm on "
+                   "one round's prompts before the next (paired in time against machine drift; 1: each arm on the "
+                   "whole set in turn) (default: %(default)s)")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,6 +112,7 @@ def main(argv=None) -> int:
     add_common(w)
     w.add_argument("--arm", required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--shard", default="0/1", help="K/R: the prompts whose index is K modulo R (default: all)")
     pl = sub.add_parser("plain", help="plain greedy tokens/s: ours vs transformers, and the bandwidth bound",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(pl)

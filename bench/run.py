@@ -7,6 +7,7 @@ against plain (greedy runs); any mismatch is reported loudly and counted.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -15,27 +16,56 @@ from pathlib import Path
 from spork_trt.errors import UserError
 
 from .arms import parse_arm
+from .prompts import load_prompts
 
 
 def run_arms(a) -> list[Path]:
+    """Each prompt set in `a.rounds` rounds (round k: prompts k, k + R, k + 2R, ...), every arm on a round's prompts
+    before the next round starts (the arms' order rotated each round), so a machine that speeds up or slows down
+    during the run moves every arm alike: the speedups are paired in time, not one arm's minutes against another's."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for prompts in a.prompts.split(","):
-        for arm in a.arms:
-            f = out / f"{Path(prompts).stem}__{arm.replace('/', '_').replace(':', '-')}.jsonl"
-            cmd = [sys.executable, "-m", "bench", "worker", "--arm", arm, "--prompts", prompts,
-                   "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature), "--out", str(f)]
-            cmd += ["--limit", str(a.limit)] if a.limit else []
-            cmd += ["--model", a.model] if a.model else []
-            cmd += ["--engines", a.engines] if a.engines else []
-            cmd += ["--seed", str(a.seed)] if a.seed is not None else []
-            print(f"[bench] {prompts} / {arm}", file=sys.stderr, flush=True)
-            if subprocess.run(cmd, preexec_fn=die_with_parent).returncode != 0:
-                raise UserError(f"arm {arm} on {prompts} failed (its message is above); the records of the arms "
-                                f"before it are in {out}")
-            files.append(f)
+        rounds = max(1, min(a.rounds, len(load_prompts(prompts, a.limit))))
+        planned = {arm: [out / record_file(prompts, arm, k, rounds) for k in range(rounds)] for arm in a.arms}
+        clear_stale(out, prompts, planned)
+        for k in range(rounds):
+            for arm in a.arms[k % len(a.arms):] + a.arms[:k % len(a.arms)]:
+                print(f"[bench] {prompts} / {arm}" + (f" (round {k + 1} of {rounds})" if rounds > 1 else ""),
+                      file=sys.stderr, flush=True)
+                cmd = worker_command(a, prompts, arm, planned[arm][k], f"{k}/{rounds}")
+                if subprocess.run(cmd, preexec_fn=die_with_parent).returncode != 0:
+                    raise UserError(f"arm {arm} on {prompts} failed (its message is above); the records of the "
+                                    f"arms before it are in {out}")
+                files.append(planned[arm][k])
     return files
+
+
+def worker_command(a, prompts: str, arm: str, out: Path, shard: str) -> list[str]:
+    cmd = [sys.executable, "-m", "bench", "worker", "--arm", arm, "--prompts", prompts, "--max-new-tokens",
+           str(a.max_new_tokens), "--temperature", str(a.temperature), "--out", str(out), "--shard", shard]
+    cmd += ["--limit", str(a.limit)] if a.limit else []
+    cmd += ["--model", a.model] if a.model else []
+    cmd += ["--engines", a.engines] if a.engines else []
+    cmd += ["--seed", str(a.seed)] if a.seed is not None else []
+    return cmd
+
+
+def clear_stale(out: Path, prompts: str, planned: dict[str, list[Path]]) -> None:
+    """Remove an earlier run's records of these arms in rounds this run does not write (another --rounds), so
+    `bench report`, which reads every JSONL in the folder, never mixes them with this run's."""
+    for arm, files in planned.items():
+        stem = record_file(prompts, arm, 0, 1)[:-len(".jsonl")]
+        for old in out.iterdir():
+            if re.fullmatch(re.escape(stem) + r"(\.r\d+)?\.jsonl", old.name) and old not in files:
+                old.unlink()
+
+
+def record_file(prompts: str, arm: str, k: int, rounds: int) -> str:
+    """The JSONL name of one arm's records of round k (one round: no suffix)."""
+    stem = f"{Path(prompts).stem}__{arm.replace('/', '_').replace(':', '-')}"
+    return f"{stem}.r{k}.jsonl" if rounds > 1 else f"{stem}.jsonl"
 
 
 def die_with_parent() -> None:
@@ -55,8 +85,8 @@ def summarize(files: list[Path]) -> dict:
         for line in f.read_text().splitlines():
             r = json.loads(line)
             key = (r["prompts"], r["arm"])
-            if "peak_rss_mb" in r:
-                peaks[key] = r["peak_rss_mb"]
+            if "peak_rss_mb" in r:  # one per worker: the arm's peak over its rounds
+                peaks[key] = max(peaks.get(key, 0.0), r["peak_rss_mb"])
             else:
                 records[key].append(r)
     arms = []
@@ -82,6 +112,7 @@ def summarize(files: list[Path]) -> dict:
             "name": arm, "prompts": prompts, "n_prompts": len(rows), "tokens": sum(r["tokens"] for r in rows),
             "tokens_per_second": round(tps, 3),
             "speedup_vs_plain": round(tps / plain_tps, 3) if plain_tps else None,
+            "speedup_by_round": by_round(rows, list(plain.values())) if plain else [],
             "acceptance_rate": round(sum(r["accepted_tokens"] for r in rows) / drafted, 3) if drafted else 0.0,
             "mean_accepted_length": round(sum(r["committed_tokens"] for r in rows) /
                                           max(1, sum(r["steps"] for r in rows)), 3),
@@ -98,6 +129,20 @@ def summarize(files: list[Path]) -> dict:
             "max_new_tokens": rows[0]["max_new_tokens"],
         })
     return {"arms": arms}
+
+
+def by_round(rows: list[dict], plain: list[dict]) -> list[float]:
+    """The arm's tokens/s over plain's in each round of the run (records before rounds existed: round 0): how much
+    the speedup moved while the run went on."""
+    def tps(rs: list[dict]) -> dict[int, float]:
+        acc = defaultdict(lambda: [0, 0.0])
+        for r in rs:
+            acc[r.get("round", 0)][0] += r["tokens"]
+            acc[r.get("round", 0)][1] += r["time_s"]
+        return {k: t / s for k, (t, s) in acc.items() if s > 0}
+
+    ours, ref = tps(rows), tps(plain)
+    return [round(ours[k] / ref[k], 3) for k in sorted(ours) if k in ref]
 
 
 def command() -> str:
@@ -143,10 +188,12 @@ def rouge_l(a: list[int], b: list[int]) -> float:
 
 
 def table(summary: dict) -> str:
-    lines = ["| prompts | backend | arm | tokens/s | speedup vs plain | acceptance | mean accepted length "
-             "| mismatches | peak RSS MB |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| prompts | backend | arm | tokens/s | speedup vs plain (rounds: min-max) | acceptance | mean accepted "
+             "length | mismatches | peak RSS MB |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for a in summary["arms"]:
         sp = "-" if a["speedup_vs_plain"] is None else f"{a['speedup_vs_plain']:.2f}x"
+        rs = a.get("speedup_by_round") or []
+        sp += f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 and a["name"] != "plain" else ""
         mm = a["lossless_mismatches"]
         mm = f"({a['differs_from_plain']} differ)" if mm is None else mm
         lines.append(f"| {a['prompts']} | {a['backend']} | {a['name']} | {a['tokens_per_second']:.2f} | {sp} | "
@@ -156,6 +203,8 @@ def table(summary: dict) -> str:
 
 
 def main(a) -> int:
+    if a.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {a.rounds}")
     for arm in a.arms:
         parse_arm(arm)  # fail before any work
     if "plain" not in a.arms:

@@ -49,12 +49,24 @@ def make_runner(arm, a):
     return peer.backend, tok, run
 
 
+def shard(text: str) -> tuple[int, int]:
+    """"K/R" -> (K, R), 0 <= K < R."""
+    try:
+        k, rounds = (int(x) for x in text.split("/"))
+    except ValueError:
+        k, rounds = -1, 0
+    if not 0 <= k < rounds:
+        raise UserError(f"--shard {text!r}: write K/R with 0 <= K < R, e.g. 0/4")
+    return k, rounds
+
+
 def main(a) -> int:
     from tqdm import tqdm
 
     arm = parse_arm(a.arm)
     backend, tokenizer, run = make_runner(arm, a)
-    rows = load_prompts(a.prompts, a.limit)
+    k, rounds = shard(a.shard)
+    rows = load_prompts(a.prompts, a.limit)[k::rounds]
     cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(temperature=a.temperature,
                                                                                   seed=a.seed))
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
@@ -69,7 +81,7 @@ def main(a) -> int:
             t = time.perf_counter()
             token_ids, st = run(p, cfg)
             wall = time.perf_counter() - t
-            fh.write(json.dumps({**common, "prompt_id": r["id"], "category": r["category"],
+            fh.write(json.dumps({**common, "round": k, "prompt_id": r["id"], "category": r["category"],
                                  "prompt_tokens": len(p), "tokens": len(token_ids), "time_s": wall,
                                  "steps": st.steps, "draft_tokens": st.draft_tokens,
                                  "accepted_tokens": st.accepted_tokens, "committed_tokens": st.committed_tokens,

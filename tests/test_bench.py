@@ -266,3 +266,52 @@ def state(pid: int) -> str:
             return fh.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_summary_pairs_each_round_and_keeps_the_arms_peak(tmp_path):
+    """Records carry their round: the speedup per round is the arm's tokens/s over plain's in that round (plain
+    slow in round 1, so round 1's ratio is the higher), and the arm's peak RSS is the largest of its workers'."""
+    rows = [record("plain", 1, 4, 1.0, [1], round=0), record("plain", 2, 4, 2.0, [2], round=1),
+            record("spork/ngram", 1, 4, 0.5, [1], round=0), record("spork/ngram", 2, 4, 0.5, [2], round=1)]
+    files = []
+    for k, peak in ((0, 800.0), (1, 900.0)):
+        f = tmp_path / f"r{k}.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows if r["round"] == k) +
+                     json.dumps({"prompts": "mt_bench", "arm": "spork/ngram", "peak_rss_mb": peak}) + "\n")
+        files.append(f)
+    arms = {a["name"]: a for a in summarize(files)["arms"]}
+    s = arms["spork/ngram"]
+    assert s["speedup_by_round"] == [2.0, 4.0] and s["speedup_vs_plain"] == 3.0 and s["peak_rss_mb"] == 900.0
+    assert "3.00x (2.00-4.00)" in __import__("bench.run", fromlist=["table"]).table({"arms": [s]})
+
+
+@pytest.mark.slow
+def test_bench_run_interleaves_rounds_on_the_real_engines(default_engines, tmp_path):
+    """`bench run --rounds 2` on the default build: each round runs every arm (order rotated) before the next, each
+    worker its round's prompts (0 and 2, then 1), an earlier run's other-round records are removed, and spork is
+    lossless against plain."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "mt_bench__plain.jsonl").write_text("stale\n")  # a one-round run's records: not this run's
+    r = subprocess.run([sys.executable, "-m", "bench", "run", "--engines", str(default_engines), "--prompts",
+                        "mt_bench", "--limit", "3", "--max-new-tokens", "8", "--arms", "plain", "spork/ngram",
+                        "--rounds", "2", "--out", str(out), "--json"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    order = [line for line in r.stderr.splitlines() if line.startswith("[bench] mt_bench /")]
+    assert order == ["[bench] mt_bench / plain (round 1 of 2)", "[bench] mt_bench / spork/ngram (round 1 of 2)",
+                     "[bench] mt_bench / spork/ngram (round 2 of 2)", "[bench] mt_bench / plain (round 2 of 2)"]
+    assert sorted(f.name for f in out.glob("*.jsonl")) == ["mt_bench__plain.r0.jsonl", "mt_bench__plain.r1.jsonl",
+                                                           "mt_bench__spork_ngram.r0.jsonl",
+                                                           "mt_bench__spork_ngram.r1.jsonl"]
+    ids = [[json.loads(x)["prompt_id"] for x in (out / f"mt_bench__plain.r{k}.jsonl").read_text().splitlines()
+            if "prompt_id" in x] for k in (0, 1)]
+    from spork_trt.prompts import load_prompts
+
+    rows = load_prompts("mt_bench", 3)
+    assert ids == [[rows[0]["id"], rows[2]["id"]], [rows[1]["id"]]]
+    arms = {a["name"]: a for a in json.loads(r.stdout)["arms"]}
+    assert arms["spork/ngram"]["lossless_mismatches"] == 0 and len(arms["spork/ngram"]["speedup_by_round"]) == 2
+    assert arms["plain"]["n_prompts"] == 3
+    bad = subprocess.run([sys.executable, "-m", "bench", "run", "--rounds", "0", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--rounds" in bad.stderr and not (tmp_path / "x").exists()
