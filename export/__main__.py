@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   python -m export calibrate --limit 40                   # the first 40 prompts of each set: quicker, noisier
   python -m export calibrate --draft self-int8            # a head for the INT8 self-draft (one head per drafter)
   python -m export self-data --magpie 1024 --stdlib 512   # the target's own text -> results/selfdata (resumable)
+  python -m export self-data --magpie 1300 --stdlib 1400 --openers 1300   # + prompts begun "Write", "Explain", ...
   python -m export self-data --device cuda --slots 128 --magpie 8000 --stdlib 1400   # on a GPU: minutes
   python -m export pack                                   # results/selfdata -> the shipped corpus of this target
   python -m export build --store results/selfdata         # a datastore from any self-data run
@@ -127,6 +128,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prompts the target writes from its chat template's user-turn prefix (default: %(default)s)")
     s.add_argument("--stdlib", type=int, default=D.stdlib,
                    help="function-completion prompts from the Python standard library (default: %(default)s)")
+    s.add_argument("--openers", type=int, default=D.openers,
+                   help="prompts the target writes from that prefix begun with an instruction verb (Write, Explain, "
+                   "Solve, ...: other kinds of task than bare Magpie's) (default: %(default)s)")
     s.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens,
                    help="answer length (default: %(default)s)")
     s.add_argument("--slots", type=int, default=D.slots, help="requests decoded together (default: %(default)s)")
@@ -224,8 +228,8 @@ def self_data(a) -> int:
     from spork_trt.export.selfdata import SelfDataConfig, self_data
 
     recipe = self_data(SelfDataConfig(engines=Path(a.engines), out=Path(a.out), magpie=a.magpie, stdlib=a.stdlib,
-                                      max_new_tokens=a.max_new_tokens, slots=a.slots, seed=a.seed, model=a.model,
-                                      device=a.device, dtype=a.dtype))
+                                      openers=a.openers, max_new_tokens=a.max_new_tokens, slots=a.slots,
+                                      seed=a.seed, model=a.model, device=a.device, dtype=a.dtype))
     print(json.dumps(recipe, indent=1))
     return 0
 

@@ -21,8 +21,8 @@ from .selfdata import ANSWERS, RECIPE, read_jsonl
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CORPUS, MANIFEST = "corpus.npz", "manifest.json"
-REPRODUCE = ("python -m export build && python -m export self-data --magpie {magpie} --stdlib {stdlib} "
-             "--max-new-tokens {max_new_tokens} --seed {seed} && python -m export pack")
+SELF_DATA = ("python -m export self-data --magpie {magpie} --stdlib {stdlib}{openers} --max-new-tokens {tokens} "
+             "--seed {seed}")
 
 
 def shipped(source_sha256: str, root: Path = ARTIFACTS) -> Path | None:
@@ -50,14 +50,23 @@ def pack(data: Path, out: Path) -> Path:
     tokens = join(seqs)
     out.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out / CORPUS, tokens=tokens)
-    s = recipe["settings"]
     manifest = {"target_sha256": recipe["target_sha256"], "recipe": recipe, "sequences": len(seqs),
                 "tokens": int(len(tokens) - len(seqs)), "corpus_sha256": mf.sha256(out / CORPUS),
-                "reproduce": REPRODUCE.format(**s)}
+                "reproduce": reproduce(recipe)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"[pack] {out / CORPUS}: {len(seqs)} sequences, {manifest['tokens']} tokens, "
           f"{(out / CORPUS).stat().st_size / 1e6:.1f} MB", file=sys.stderr)
     return out
+
+
+def reproduce(recipe: dict) -> str:
+    """The commands that remake a self-data run and pack it: one `self-data` per run that made or extended it (the
+    corpus keeps the answers in the order they were written, so the order of the runs is part of the recipe)."""
+    s = recipe["settings"]
+    runs = recipe.get("runs") or [{"magpie": s["magpie"], "stdlib": s["stdlib"], "openers": s.get("openers", 0)}]
+    steps = [SELF_DATA.format(magpie=r["magpie"], stdlib=r["stdlib"], tokens=s["max_new_tokens"], seed=s["seed"],
+                              openers=f" --openers {r['openers']}" if r.get("openers") else "") for r in runs]
+    return " && ".join(["python -m export build", *steps, "python -m export pack"])
 
 
 def load_corpus(folder: Path) -> np.ndarray:

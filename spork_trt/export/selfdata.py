@@ -5,7 +5,8 @@ library (PSF license).
 Two stages, each a JSONL file appended as requests finish (resumable: a rerun skips what is there; deterministic
 for a seed: sampled requests draw the same tokens batched as alone):
   prompts.jsonl  one line per attempt: Magpie prompts (the target samples a user turn from its chat template's
-                 user-turn prefix alone; kept when it ends its turn within the limit and is new) and standard-library
+                 user-turn prefix alone; kept when it ends its turn within the limit and is new), opener prompts (the
+                 same, begun with an instruction verb: "Write", "Explain", "Solve", ...) and standard-library
                  function-completion prompts (a signature and docstring, "Complete the following Python function")
   answers.jsonl  the target's greedy answer to every kept prompt, through the chat template: the token ids of the
                  whole sequence (template + prompt + answer) and where the answer starts
@@ -32,6 +33,16 @@ from ..generate import run_many
 PROMPTS, ANSWERS, RECIPE = "prompts.jsonl", "answers.jsonl", "recipe.json"
 SENTINEL = "\x00SPORK_USER_TURN\x00"  # cut point: the chat template's text before the user's content
 CODE_PREFIX = "Complete the following Python function:\n"
+# Opener prompts begin with one of these instruction verbs, in turn (the most common root verbs of instruction-tuning
+# data, as Self-Instruct and Alpaca count them, plus a few for role-play and reasoning): Magpie from the bare prefix
+# writes mostly "I'm ..." and "Can you ..." requests; these make the target write the other kinds of task too.
+OPENERS = ("Write", "Explain", "Describe", "Create", "Generate", "Give", "List", "Summarize", "Rewrite", "Edit",
+           "Compare", "Analyze", "Identify", "Classify", "Extract", "Translate", "Suggest", "Design", "Compose",
+           "Imagine", "Pretend", "Solve", "Calculate", "Find", "Tell", "Evaluate", "Discuss", "Outline", "Convert",
+           "Draft")
+COUNTS = {"magpie": "magpie", "stdlib": "stdlib", "openers": "opener"}  # count setting -> its source; a rerun may
+# raise a count to extend a run
+SEED_OFFSET = {"magpie": 0, "opener": 500_000_000}  # each sampled source draws its own seeds
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class SelfDataConfig:
     out: Path = Path("results/selfdata")
     magpie: int = 1024  # Magpie prompts to keep
     stdlib: int = 512  # standard-library function prompts
+    openers: int = 0  # Magpie prompts begun with an instruction verb (OPENERS) to keep
     max_prompt_tokens: int = 96  # a Magpie user turn longer than this is dropped
     max_code_tokens: int = 384  # a standard-library prompt longer than this is skipped
     max_new_tokens: int = 256  # answer length
@@ -154,8 +166,9 @@ def stdlib_prompts() -> tuple[dict, ...]:
 
 
 def synthesize(rt, cfg: SelfDataConfig) -> list[dict]:
-    """Magpie prompts (kept ones, in attempt order, the first `cfg.magpie`) plus the standard-library prompts;
-    appended to prompts.jsonl as they come, resumed from it."""
+    """The kept prompts, each source in attempt order: the first `cfg.magpie` Magpie prompts, the standard-library
+    prompts, the first `cfg.openers` opener prompts (appended last, so a run without them is a prefix of one with
+    them); appended to prompts.jsonl as they come, resumed from it."""
     path = cfg.out / PROMPTS
     rows = read_jsonl(path)
     done = {r["id"] for r in rows}
@@ -166,39 +179,61 @@ def synthesize(rt, cfg: SelfDataConfig) -> list[dict]:
             if r["id"] not in done:
                 out.write(r)
                 rows.append(r)
-    prefix = user_turn_prefix(rt.tokenizer)
+    for source, want in (("magpie", cfg.magpie), ("opener", cfg.openers)):
+        sample_prompts(rt, cfg, source, want, rows, out)
+    out.close()
+
+    def kept(source: str) -> list[dict]:
+        return sorted((r for r in rows if r["source"] == source and r["kept"]), key=lambda r: attempt(r["id"]))
+
+    return kept("magpie")[:cfg.magpie] + [r for r in rows if r["source"] == "stdlib"][:cfg.stdlib] + \
+        kept("opener")[:cfg.openers]
+
+
+def attempt(prompt_id: str) -> int:
+    return int(prompt_id.rsplit(":", 1)[1])
+
+
+def sample_prompts(rt, cfg: SelfDataConfig, source: str, want: int, rows: list[dict], out: Appender) -> None:
+    """Sample `source` prompts until `want` are kept (rows and the file get every attempt): "magpie" from the chat
+    template's user-turn prefix alone, "opener" from it followed by the instruction verb OPENERS[attempt % len]."""
+    kept = sum(r["kept"] for r in rows if r["source"] == source)
+    if kept >= want:
+        return
+    stage(f"synthesizing {source} prompts ({kept}/{want} kept so far)")
+    done = {r["id"] for r in rows}
     seen = {r["prompt"] for r in rows if r["kept"]}
-    kept = sum(r["kept"] for r in rows if r["source"] == "magpie")
-    progress = Progress("magpie prompts", cfg.magpie, kept)
+    prefix = user_turn_prefix(rt.tokenizer)
+    progress = Progress(f"{source} prompts", want, kept)
     state = {"kept": kept}
-    ids = {}  # request -> its attempt's id
+    lead = {}  # request -> (its attempt's id, the opener's token ids)
 
     def attempts() -> Iterator:
         i = 0
-        while state["kept"] < cfg.magpie:
-            if f"magpie:{i}" not in done:
-                sampling = SamplingConfig(cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 1_000_003 + i)
-                r = rt.request(prefix, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork", SpecConfig())
-                ids[r] = f"magpie:{i}"
+        while state["kept"] < want:
+            if f"{source}:{i}" not in done:
+                opener = rt.tokenizer.hf.encode(OPENERS[i % len(OPENERS)], add_special_tokens=False) \
+                    if source == "opener" else []
+                sampling = SamplingConfig(cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 1_000_003 +
+                                          SEED_OFFSET[source] + i)
+                r = rt.request(prefix + opener, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork",
+                               SpecConfig())
+                lead[r] = (f"{source}:{i}", opener)
                 yield r
             i += 1
 
-    if kept < cfg.magpie:
-        stage(f"synthesizing Magpie prompts ({kept}/{cfg.magpie} kept so far)")
     for r in run_many(rt.engine, attempts(), cfg.slots, len(prefix) + cfg.max_prompt_tokens + 32):
         res = r.result()
-        text = rt.tokenizer.decode(res.token_ids).strip()
+        rid, opener = lead.pop(r)
+        text = rt.tokenizer.decode([*opener, *res.token_ids]).strip()
         ok = res.stop_reason == "eos" and len(text.split()) >= 4 and text not in seen
         if ok:
             seen.add(text)
             state["kept"] += 1
             progress.tick(len(res.token_ids))
-        row = {"id": ids.pop(r), "source": "magpie", "prompt": text, "kept": ok}
+        row = {"id": rid, "source": source, "prompt": text, "kept": ok}
         out.write(row)
         rows.append(row)
-    out.close()
-    magpie = sorted((r for r in rows if r["source"] == "magpie" and r["kept"]), key=lambda r: int(r["id"][7:]))
-    return magpie[:cfg.magpie] + [r for r in rows if r["source"] == "stdlib"][:cfg.stdlib]
 
 
 def answer(rt, cfg: SelfDataConfig, prompts: list[dict]) -> list[dict]:
@@ -249,25 +284,28 @@ def runtime(cfg: SelfDataConfig):
 
 def self_data(cfg: SelfDataConfig) -> dict:
     """Both stages; writes recipe.json (the settings, counts and the target's sha256) and returns it."""
-    if cfg.magpie < 0 or cfg.stdlib < 0 or cfg.magpie + cfg.stdlib == 0 or cfg.slots < 1:
-        raise UserError("--magpie and --stdlib must be >= 0 (not both 0) and --slots >= 1")
+    if min(cfg.magpie, cfg.stdlib, cfg.openers) < 0 or cfg.magpie + cfg.stdlib + cfg.openers == 0 or cfg.slots < 1:
+        raise UserError("--magpie, --stdlib and --openers must be >= 0 (not all 0) and --slots >= 1")
     cfg.out.mkdir(parents=True, exist_ok=True)
     recipe_path = cfg.out / RECIPE
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "slots")}
+    runs = []  # the counts of each run that made or extended this folder: answers are appended in that order
     if recipe_path.is_file():
-        old = {"model": None, "device": "cpu", "dtype": "bf16",  # runs recorded before these settings existed
-               **json.loads(recipe_path.read_text())["settings"]}
-        if {k: v for k, v in old.items() if k not in ("magpie", "stdlib")} != \
-                {k: v for k, v in settings.items() if k not in ("magpie", "stdlib")}:
+        before = json.loads(recipe_path.read_text())
+        old = {"model": None, "device": "cpu", "dtype": "bf16", "openers": 0,  # runs recorded before these existed
+               **before["settings"]}
+        if {k: v for k, v in old.items() if k not in COUNTS} != {k: v for k, v in settings.items() if k not in COUNTS}:
             raise UserError(f"{cfg.out} holds data made with other settings ({old}): pass another --out")
+        runs = before.get("runs", [{k: old[k] for k in COUNTS}])
+    if not runs or runs[-1] != {k: settings[k] for k in COUNTS}:
+        runs.append({k: settings[k] for k in COUNTS})
     rt, target_sha = runtime(cfg)
     t0 = time.perf_counter()
     prompts = synthesize(rt, cfg)
     answers = answer(rt, cfg, prompts)
     recipe = {
-        "settings": settings, "target_sha256": target_sha, "python": platform.python_version(),
-        "prompts": {"magpie": sum(p["source"] == "magpie" for p in prompts),
-                    "stdlib": sum(p["source"] == "stdlib" for p in prompts)},
+        "settings": settings, "runs": runs, "target_sha256": target_sha, "python": platform.python_version(),
+        "prompts": {k: sum(p["source"] == src for p in prompts) for k, src in COUNTS.items()},
         "tokens": {"total": sum(len(a["ids"]) for a in answers),
                    "answer": sum(len(a["ids"]) - a["n_prompt"] for a in answers)},
         "seconds_this_run": round(time.perf_counter() - t0, 1),
