@@ -50,6 +50,12 @@ def add_common(p) -> None:
     p.add_argument("--engines", default=None, help="ONNX Runtime engines folder (default: the torch engine)")
 
 
+def add_rounds(p) -> None:
+    p.add_argument("--rounds", type=int, default=4, help="run each prompt set in R interleaved rounds, every arm on "
+                   "one round's prompts before the next (paired in time against machine drift; 1: each arm on the "
+                   "whole set in turn) (default: %(default)s)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,9 +68,7 @@ def main(argv=None) -> int:
                         "peer/hf-greedy | peer/hf-prompt-lookup | peer/llama-cpp | peer/llama-cpp-prompt-lookup | "
                         "peer/ort-genai (llama.cpp and onnxruntime-genai: `make bench-peers` installs them)")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
-    r.add_argument("--rounds", type=int, default=4, help="run each prompt set in R interleaved rounds, every arm on "
-                   "one round's prompts before the next (paired in time against machine drift; 1: each arm on the "
-                   "whole set in turn) (default: %(default)s)")
+    add_rounds(r)
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +78,7 @@ def main(argv=None) -> int:
     gt.add_argument("--draft", default="ngram", help="the drafter (default: %(default)s)")
     gt.add_argument("--out", default="results/gate")
     gt.add_argument("--json", action="store_true")
+    add_rounds(gt)
     rp = sub.add_parser("report", help="markdown tables + PNG plots from result folders (and the README block)",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     rp.add_argument("--run", nargs="*", default=[], help="`bench run --out` folders (summary.json + JSONL)")

@@ -23,6 +23,8 @@ def run_arms(a) -> list[Path]:
     """Each prompt set in `a.rounds` rounds (round k: prompts k, k + R, k + 2R, ...), every arm on a round's prompts
     before the next round starts (the arms' order rotated each round), so a machine that speeds up or slows down
     during the run moves every arm alike: the speedups are paired in time, not one arm's minutes against another's."""
+    if a.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {a.rounds}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -203,8 +205,6 @@ def table(summary: dict) -> str:
 
 
 def main(a) -> int:
-    if a.rounds < 1:
-        raise UserError(f"--rounds must be >= 1, got {a.rounds}")
     for arm in a.arms:
         parse_arm(arm)  # fail before any work
     if "plain" not in a.arms:
