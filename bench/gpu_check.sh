@@ -59,7 +59,7 @@ run)
 data)
     join_and_install
     timeout 240 python3 -m export self-data --device cuda --dtype bf16 --model /root/model.gguf --slots 128 \
-        --magpie 8000 --stdlib 1400 --out /root/selfdata || echo "self-data stopped (rc $?): training on what it wrote"
+        --magpie 4000 --openers 4000 --stdlib 1400 --out /root/selfdata || echo "self-data stopped (rc $?): training on what it wrote"
     wc -l /root/selfdata/*.jsonl
     ;;
 train)

@@ -27,7 +27,7 @@ EXAMPLES = """examples:
   python -m export calibrate --draft self-int8            # a head for the INT8 self-draft (one head per drafter)
   python -m export self-data --magpie 1024 --stdlib 512   # the target's own text -> results/selfdata (resumable)
   python -m export self-data --magpie 1300 --stdlib 1400 --openers 1300   # + prompts begun "Write", "Explain", ...
-  python -m export self-data --device cuda --slots 128 --magpie 8000 --stdlib 1400   # on a GPU: minutes
+  python -m export self-data --device cuda --slots 128 --magpie 4000 --openers 4000 --stdlib 1400   # on a GPU
   python -m export pack                                   # results/selfdata -> the shipped corpus of this target
   python -m export build --store results/selfdata         # a datastore from any self-data run
   python -m export build --head results/draft_head        # add a trained draft head (--draft eagle)
