@@ -17,7 +17,7 @@ import numpy as np
 from ..datastore import SEP, Datastore, join
 from ..errors import UserError
 from . import manifest as mf
-from .selfdata import ANSWERS, RECIPE, read_jsonl
+from .selfdata import ANSWERS, COUNTS, RECIPE, read_jsonl
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CORPUS, MANIFEST = "corpus.npz", "manifest.json"
@@ -63,7 +63,7 @@ def reproduce(recipe: dict) -> str:
     """The commands that remake a self-data run and pack it: one `self-data` per run that made or extended it (the
     corpus keeps the answers in the order they were written, so the order of the runs is part of the recipe)."""
     s = recipe["settings"]
-    runs = recipe.get("runs") or [{"magpie": s["magpie"], "stdlib": s["stdlib"], "openers": s.get("openers", 0)}]
+    runs = recipe.get("runs") or [{k: s.get(k, 0) for k in COUNTS}]  # recorded before `runs` existed: one run
     steps = [SELF_DATA.format(magpie=r["magpie"], stdlib=r["stdlib"], tokens=s["max_new_tokens"], seed=s["seed"],
                               openers=f" --openers {r['openers']}" if r.get("openers") else "") for r in runs]
     return " && ".join(["python -m export build", *steps, "python -m export pack"])

@@ -207,13 +207,13 @@ def sample_prompts(rt, cfg: SelfDataConfig, source: str, want: int, rows: list[d
     progress = Progress(f"{source} prompts", want, kept)
     state = {"kept": kept}
     lead = {}  # request -> (its attempt's id, the opener's token ids)
+    openers = [rt.tokenizer.hf.encode(o, add_special_tokens=False) for o in OPENERS] if source == "opener" else [[]]
 
     def attempts() -> Iterator:
         i = 0
         while state["kept"] < want:
             if f"{source}:{i}" not in done:
-                opener = rt.tokenizer.hf.encode(OPENERS[i % len(OPENERS)], add_special_tokens=False) \
-                    if source == "opener" else []
+                opener = openers[i % len(openers)]
                 sampling = SamplingConfig(cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 1_000_003 +
                                           SEED_OFFSET[source] + i)
                 r = rt.request(prefix + opener, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork",
