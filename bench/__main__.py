@@ -25,6 +25,9 @@ EXAMPLES = """examples:
   python -m bench costs --nodes 1 --batch 4,16,32         # + batched forwards of B sequences (continuous batching)
   python -m bench agreement --engines engines/quant --prompts mt_bench,humaneval --limit 10   # quantized vs fp32
   python -m bench agreement --head results/draft_head --limit 10   # a draft head, teacher-forced on unseen answers
+  python -m bench replay --run results/run --shapes default,8x8x64 --costs 1:2.2,16:3.0,64:3.1,256:3.3   # estimates:
+                                                          # n-gram and store replayed on the run's plain answers
+  python -m bench replay --run results/run --drafts store --store-fractions 0.25,0.5,1   # smaller stores
   python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
 """
@@ -113,6 +116,20 @@ def main(argv=None) -> int:
     ag.add_argument("--head", default=None, help="also a trained draft head (an `export train-draft` folder or its "
                     "head.safetensors): top-1 agreement by depth on the target's answers, text it never trained on")
     ag.add_argument("--json", action="store_true")
+    rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "
+                        "plain answers with the scheduler and a cost curve (shapes, store sizes, a GPU's costs)",
+                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rl.add_argument("--run", default="results/run", help="a `bench run --out` folder with plain records")
+    rl.add_argument("--prompts", default="mt_bench,humaneval", help="prompt sets of that run (default: %(default)s)")
+    rl.add_argument("--engines", default="engines/default", help="the tokenizer and the store (default: %(default)s)")
+    rl.add_argument("--drafts", nargs="+", default=["ngram", "store"], help="ngram and/or store (default: both)")
+    rl.add_argument("--shapes", default="default", help="comma list of KxMxN tree shapes, or default (the drafter's "
+                    "measured one) (default: %(default)s)")
+    rl.add_argument("--costs", default=None, metavar="N:S,...", help="target forward cost by tokens, e.g. a GPU's "
+                    "1:2.2,16:3.0,64:3.1,256:3.3 (default: the scheduler's prior, 8%% more per extra token)")
+    rl.add_argument("--store-fractions", default="1", help="comma list: the store over this random share of the "
+                    "corpus' sequences (default: %(default)s)")
+    rl.add_argument("--json", action="store_true")
     w = sub.add_parser("worker", help="(internal) one arm on one prompt set")
     add_common(w)
     w.add_argument("--arm", required=True)
@@ -195,6 +212,10 @@ def main(argv=None) -> int:
             from . import soak
 
             return soak.main(args)
+        if args.command == "replay":
+            from . import replay
+
+            return replay.main(args)
         if args.command == "costs":
             from . import costs
 
