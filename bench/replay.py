@@ -44,7 +44,7 @@ def cost_curve(text: str | None) -> Cost:
     """"N:S,N:S,..." (seconds, or any unit, of a forward of N tokens; the first N must be 1) -> piecewise-linear
     cost relative to one token, the last slope beyond the last point; None: the scheduler's prior (cost_model)."""
     if not text:
-        return lambda n: 1 + PRIOR_SLOPE * (n - 1)
+        return CostModel().seconds  # no points measured: the prior itself
     try:
         pts = sorted((int(n), float(s)) for n, s in (x.split(":") for x in text.split(",")))
     except ValueError:
@@ -154,6 +154,7 @@ def main(a) -> int:
     tok = load_tokenizer(eng, "hf", mf.spec_config(mf.read(eng)["model"]).eos_token_ids)
     store = Datastore.load(eng) if "store" in a.drafts else None
     fractions = [float(f) for f in a.store_fractions.split(",")] if store is not None else [1.0]
+    stores = {f: subset(store, f) for f in fractions} if store is not None else {}  # built once each
     rows = []
     for prompt_set in a.prompts.split(","):
         pairs = [(tok.encode_prompt(p), ids) for p, ids in answers(Path(a.run), prompt_set)]
@@ -161,7 +162,7 @@ def main(a) -> int:
             for shape in shapes(a.shapes):
                 spec = SpecConfig.for_draft(draft, *(shape or ()))
                 for f in fractions if draft == "store" else [1.0]:
-                    st = subset(store, f) if draft == "store" else None
+                    st = stores[f] if draft == "store" else None
                     make = (lambda st=st: StoreDrafter(NgramDrafter(4), st)) if st else (lambda: NgramDrafter(4))
                     r = sum((replay(make(), spec, p, ids, cost) for p, ids in pairs), Replayed(0, 0, 0, 0.0))
                     rows.append({"prompts": prompt_set, "draft": draft, "answers": len(pairs),
