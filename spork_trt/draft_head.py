@@ -26,7 +26,7 @@ from .errors import UserError
 from .model import MLP, Attention, Block, KVStore, RMSNorm, mask_bias, rope_cos_sin, rope_inv_freq
 
 HEAD_FILE = "head.safetensors"
-HEAD_GRAPH = "head.onnx"  # a build's export of an eagle1 head's step (ONNX Runtime drafts with it)
+HEAD_GRAPH = "head.onnx"  # a build's export of the head's step (ONNX Runtime drafts with it)
 LAYOUTS = ("eagle1", "eagle3")
 EMBEDDINGS = "head_embeddings.npy"  # a build's copy of the target's token embeddings [V, C] fp16, for the head
 

@@ -9,7 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import AUTO_DRAFT, DRAFT_HELP, SELF_DRAFTS, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import (
+    AUTO_DRAFT,
+    DRAFT_HELP,
+    SELF_DRAFTS,
+    VERIFIER_LAYERS,
+    GenerateConfig,
+    ModelConfig,
+    SamplingConfig,
+    SpecConfig,
+)
 from .core import Request
 from .datastore import Datastore
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
@@ -127,7 +136,7 @@ class Runtime:
             from .draft_head import load_head
 
             head_model = load_head(d / built["head"]["path"])[0]
-            step = None  # an eagle1 head's step has an ONNX graph (builds since graph layout lean-4)
+            step = None  # a head's step has an ONNX graph (eagle1 since graph layout lean-4, eagle3 lean-5)
             if built["head"].get("graph"):
                 from .engines.onnx_head import OnnxHead
 

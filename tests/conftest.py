@@ -103,3 +103,31 @@ def default_engines(tmp_path_factory):
                        timeout=900)
     assert r.returncode == 0, r.stderr
     return out
+
+
+def onnx_head_step_matching(head, d: Path):
+    """head.onnx exported from `head` (engines.onnx_head.OnnxHead), checked against the torch head: the same outputs
+    and new KV rows over a cache, for a chain and then rows after it."""
+    from spork_trt.engines.onnx_head import OnnxHead
+    from spork_trt.export.onnx_graph import export_head_onnx
+    from spork_trt.kv_cache import KVCache
+    from spork_trt.model import causal_mask
+
+    step = OnnxHead(export_head_onnx(head, d / "head.onnx"), head.hc.layer_config())
+    gen = torch.Generator().manual_seed(5)
+    emb, g = (torch.randn(1, 7, head.hc.dim, generator=gen) for _ in range(2))
+    ref_cache, cache = KVCache(head.hc.layer_config(), 16), step.make_cache(16)
+    for lo, hi in ((0, 4), (4, 7)):
+        mask = causal_mask(lo, hi - lo)
+        pos = torch.arange(lo, hi)[None]
+        with torch.no_grad():
+            want = head(emb[:, lo:hi], g[:, lo:hi], pos, mask, ref_cache)
+        got = step(emb[:, lo:hi], g[:, lo:hi], pos, mask, cache)
+        for c in (ref_cache, cache):
+            c.written(hi - lo)
+            c.commit()
+        for w, x in zip(want, got):
+            assert x.shape == w.shape and torch.allclose(x, w, atol=1e-4)
+    assert torch.allclose(torch.from_numpy(cache.k[0, 0, :7]), ref_cache.k[0, 0, :, :7].transpose(0, 1), atol=1e-4)
+    assert torch.allclose(torch.from_numpy(cache.v[0, 0, :7]), ref_cache.v[0, 0, :, :7].transpose(0, 1), atol=1e-4)
+    return step

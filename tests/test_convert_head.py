@@ -1,6 +1,6 @@
 """`export convert-head` on a tiny head saved in the EAGLE-3 checkpoint layout (config.json + safetensors): the
 converted head computes what EAGLE-3's layer computes (an independent re-implementation here), drafts losslessly
-with `--draft eagle`, and pickles are refused."""
+with `--draft eagle`, its ONNX step equals it, and pickles are refused."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ from spork_trt.export.convert_head import convert
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
 from spork_trt.weights import random_checkpoint
-from tests.conftest import tiny_config
+from tests.conftest import onnx_head_step_matching, tiny_config
 
 C, H, HKV, D, F, V, N = 64, 4, 2, 16, 128, 48, 40
 
@@ -107,6 +107,24 @@ def test_converted_head_drafts_losslessly(eagle3, target, tmp_path):
         assert got.token_ids == generate(TorchEngine(target), prompt, GenerateConfig(max_new_tokens=30),
                                          frozenset()).token_ids
         assert got.stats.draft_tokens > 0
+
+
+def test_converted_heads_onnx_step_equals_the_torch_head(eagle3, target, tmp_path):
+    """`export build` writes head.onnx for a converted head too: the same outputs and KV rows as the torch head,
+    and the drafter with it drafts the same trees (spork == plain)."""
+    head, _ = load_head(convert(eagle3[0], tmp_path, (1, 2, 3)))
+    step = onnx_head_step_matching(head, tmp_path)
+    engine = TorchEngine(target, taps=head.hc.taps)
+    spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5, adaptive=False)
+    drafts = {}
+    for name, s in (("torch", None), ("onnx", step)):
+        d = EagleDrafter(head, lookup(target.embed.weight.detach()), GenerateConfig().sampling, torch.Generator())
+        d.step = s
+        got = generate(engine, [40, 3, 3, 17], GenerateConfig(max_new_tokens=30), frozenset(), drafter=d, spec=spec)
+        assert got.token_ids == generate(TorchEngine(target), [40, 3, 3, 17], GenerateConfig(max_new_tokens=30),
+                                         frozenset()).token_ids
+        drafts[name] = (got.stats.draft_tokens, got.stats.accepted_tokens)
+    assert drafts["onnx"] == drafts["torch"] and drafts["onnx"][0] > 0
 
 
 def test_convert_refuses_pickles_and_wrong_taps(eagle3, tmp_path):

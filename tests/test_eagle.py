@@ -14,15 +14,13 @@ from spork_trt.draft_head import load_head
 from spork_trt.eagle import EagleDrafter, lookup
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
-from spork_trt.engines.onnx_head import OnnxHead
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.export.onnx_graph import export_head_onnx, export_onnx
+from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.train_draft import TrainConfig, train_draft
 from spork_trt.generate import generate
-from spork_trt.kv_cache import KVCache
 from spork_trt.model import causal_mask
 from spork_trt.weights import random_checkpoint
-from tests.conftest import run_core, tiny_config, write_selfdata
+from tests.conftest import onnx_head_step_matching, run_core, tiny_config, write_selfdata
 
 GREEDY = SamplingConfig()
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
@@ -120,24 +118,9 @@ def test_seeded_sampling_with_eagle_repeats(target, head):
 
 
 def test_onnx_head_step_equals_the_torch_head(target, head, tmp_path):
-    """head.onnx (what `export build` writes for an eagle1 head) gives the torch head's outputs and new KV rows over
+    """head.onnx (what `export build` writes) gives the torch head's outputs and new KV rows over
     a cache, and the drafter with it drafts the same trees: spork == plain, the same drafts as in PyTorch."""
-    step = OnnxHead(export_head_onnx(head, tmp_path / "head.onnx"), head.hc.layer_config())
-    gen = torch.Generator().manual_seed(5)
-    emb, g = (torch.randn(1, 7, head.hc.dim, generator=gen) for _ in range(2))
-    ref_cache, cache = KVCache(head.hc.layer_config(), 16), step.make_cache(16)
-    for lo, hi in ((0, 4), (4, 7)):  # a chain, then rows after it
-        mask = causal_mask(lo, hi - lo)
-        pos = torch.arange(lo, hi)[None]
-        with torch.no_grad():
-            want = head(emb[:, lo:hi], g[:, lo:hi], pos, mask, ref_cache)
-        got = step(emb[:, lo:hi], g[:, lo:hi], pos, mask, cache)
-        for c in (ref_cache, cache):
-            c.written(hi - lo)
-            c.commit()
-        for w, x in zip(want, got):
-            assert x.shape == w.shape and torch.allclose(x, w, atol=1e-4)
-    assert torch.allclose(torch.from_numpy(cache.k[0, 0, :7]), ref_cache.k[0, 0, :, :7].transpose(0, 1), atol=1e-4)
+    step = onnx_head_step_matching(head, tmp_path)
     # a fixed tree shape: the adaptive scheduler's choices depend on timing, which differs between two runs
     spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5, adaptive=False)
     engine = TorchEngine(target, taps=head.hc.taps)

@@ -1,4 +1,4 @@
-"""The learned draft head's step on ONNX Runtime (`export build` writes head.onnx for an eagle1 head): a drop-in for
+"""The learned draft head's step on ONNX Runtime (`export build` writes head.onnx): a drop-in for
 draft_head.DraftHead's forward in the eagle drafter, over a numpy KV cache [1, 1, Smax, Hkv, D] (io_spec.PLAIN's
 layout: the past rows bound in place, the new rows written straight after them)."""
 from __future__ import annotations

@@ -19,13 +19,13 @@ import numpy as np
 
 from .. import io_spec
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
+from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
-from ..datastore import SUFFIXES, TOKENS
-from .artifacts import build_store, head_source, store_source, text_file
 from . import manifest as mf
 from . import tensorrt as trt_build
+from .artifacts import build_store, head_source, store_source, text_file
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx
 from .quantize import quantize
 
@@ -165,10 +165,9 @@ def build(cfg: BuildConfig) -> Path:
         np.save(out / EMBEDDINGS, ck.model.embed.weight.detach().numpy().astype(np.float16))  # [V, C]
         engines["head"] = {"path": HEAD_FILE, "embeddings": EMBEDDINGS, "precision": "fp16", "layers": 1,
                            "taps": list(taps), "vocab": head.hc.vocab, "from": head_what}
-        if head.hc.layout == "eagle1":  # its step on ONNX Runtime (fp32); eagle3 heads draft in PyTorch
-            stage(f"exporting {HEAD_GRAPH} (the draft head's step)")
-            export_head_onnx(head, out / HEAD_GRAPH)
-            engines["head"]["graph"] = HEAD_GRAPH
+        stage(f"exporting {HEAD_GRAPH} (the draft head's step, layout {head.hc.layout})")  # ONNX Runtime, fp32
+        export_head_onnx(head, out / HEAD_GRAPH)
+        engines["head"]["graph"] = HEAD_GRAPH
     stage("writing tokenizer files")
     tok_files = [p.name for p in tok.save(out)]
     stage("hashing artifacts")

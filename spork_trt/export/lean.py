@@ -220,23 +220,48 @@ class LeanGraph(nn.Module):
         return (self.lm_head(self.norm(x)), *new, *hidden)
 
 
+class LeanEagle3Layer(nn.Module):
+    """draft_head.Eagle3Layer in LeanBlock's ops: attention over [input_norm(emb); hidden_norm(g)] (2C wide, q/k/v
+    one MatMul), g the residual, then the MLP."""
+
+    def __init__(self, ref, cfg) -> None:
+        super().__init__()
+        self.input_norm, self.hidden_norm, self.mlp_norm = ref.input_norm, ref.hidden_norm, ref.mlp_norm
+        self.attn = LeanAttention(ref.attn, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self.mlp = LeanMLP(ref.mlp)
+
+    def forward(self, emb, g, cos, sin, bias, past_k, past_v):
+        x = torch.cat([self.input_norm(emb), self.hidden_norm(g)], dim=-1)  # [1, T, 2C]
+        a, k, v = self.attn(x, cos, sin, bias, past_k, past_v)  # [1, T, C], [1, T, Hkv, D] x2
+        h = g + a
+        return h + self.mlp(self.mlp_norm(h)), k, v
+
+
 class LeanHead(nn.Module):
-    """The learned draft head's step (draft_head.DraftHead, layout eagle1) in LeanBlock's ops: (emb [1, T, C], g
-    [1, T, C], position_ids [1, T], attention_mask [1, T, S], past_key, past_value [1, P, Hkv, D]) -> (h [1, T, C],
-    logits [1, T, N], new_key, new_value [1, T, Hkv, D]); S = P + T (io_spec.PLAIN's one-layer layout)."""
+    """The learned draft head's step (draft_head.DraftHead, layout eagle1 or eagle3) in LeanBlock's ops: (emb [1, T,
+    C], g [1, T, C], position_ids [1, T], attention_mask [1, T, S], past_key, past_value [1, P, Hkv, D]) -> (h [1, T,
+    C], logits [1, T, N], new_key, new_value [1, T, Hkv, D]); S = P + T (io_spec.PLAIN's one-layer layout)."""
 
     def __init__(self, head) -> None:
         super().__init__()
         cfg = head.hc.layer_config()
         self.g = cfg.n_heads // cfg.n_kv_heads
-        self.fc, self.norm, self.lm_head, self.gnorm = head.fc, head.norm, head.lm_head, head.gnorm
-        self.block = LeanBlock(head.layer, cfg)
+        self.norm, self.lm_head = head.norm, head.lm_head
+        self.eagle3 = head.hc.layout == "eagle3"
+        if self.eagle3:
+            self.layer = LeanEagle3Layer(head.layer, cfg)
+        else:
+            self.fc, self.gnorm = head.fc, head.gnorm
+            self.block = LeanBlock(head.layer, cfg)
         self.register_buffer("inv_freq", head.inv_freq, persistent=False)  # [D/2]
 
     def forward(self, emb, g, position_ids, attention_mask, past_k, past_v):
-        g = g if self.gnorm is None else self.gnorm(g)
-        x = self.fc(torch.cat([emb, g], dim=-1))  # [1, T, C]
-        cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, x.dtype))  # [1, T, 1, D]
+        cos, sin = (c[:, :, None] for c in rope_cos_sin(position_ids, self.inv_freq, g.dtype))  # [1, T, 1, D]
         bias = mask_bias(attention_mask)[:, None].repeat(1, 1, self.g, 1)  # [1, 1, G*T, S]
-        h, k, v = self.block(x, cos, sin, bias, past_k, past_v)  # [1, T, C], [1, T, Hkv, D] x2
+        if self.eagle3:
+            h, k, v = self.layer(emb, g, cos, sin, bias, past_k, past_v)  # [1, T, C], [1, T, Hkv, D] x2
+        else:
+            g = g if self.gnorm is None else self.gnorm(g)
+            x = self.fc(torch.cat([emb, g], dim=-1))  # [1, T, C]
+            h, k, v = self.block(x, cos, sin, bias, past_k, past_v)  # [1, T, C], [1, T, Hkv, D] x2
         return h, self.lm_head(self.norm(h)), k, v
