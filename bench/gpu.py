@@ -33,8 +33,8 @@ from spork_trt.tokenizer import load_tokenizer
 from spork_trt.weights import load_checkpoint
 
 # the store's tree for a GPU, where a 64-node forward costs about 1.4 one-token ones (issue 18's measurement):
-# `python -m bench replay --shapes default,8x8x64 --costs 1:2.2,16:3.0,64:3.1,256:3.3` estimates it commits 7-15%
-# more per step than the CPU's 3x6x12 (README, "What the store can reach")
+# `python -m bench replay --shapes default,8x8x64 --costs 1:2.2,16:3.0,64:3.1,256:3.3` estimates it commits 7-17%
+# more per step than the CPU's 3x6x12, for 1-6% more speed (README, "What the store can reach")
 WIDE = (8, 8, 64)
 
 
