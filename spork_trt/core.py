@@ -22,8 +22,8 @@ import torch
 
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
-from .drafters import drive
 from .draft_switch import DraftSwitch
+from .drafters import drive
 from .engines import SeqInput, chain_input
 from .errors import QueueFull, UserError
 from .kv_cache import KVPool
@@ -361,9 +361,11 @@ def wants_hidden(r: Request) -> bool:
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
+    """logits [N, V] on the engine's device: greedy takes their argmax there (N ids cross to the host); sampling
+    processes them there and walks the tree on the host (the drafts' proposals and `gen` live there)."""
     if cfg.sampling.greedy:
         return verify_greedy(tree, children, logits)
-    return verify_sampling(tree, children, processed_probs(logits, cfg.sampling), gen)
+    return verify_sampling(tree, children, processed_probs(logits, cfg.sampling).cpu(), gen)
 
 
 def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:

@@ -39,7 +39,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def pick(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator) -> int:
-    """Next token from logits [V]."""
+    """Next token from logits [V] (on any device: greedy takes the argmax there; sampling draws on the host, with
+    `gen`)."""
     if s.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(processed_probs(logits[None], s)[0], 1, generator=gen))
+    return int(torch.multinomial(processed_probs(logits[None], s)[0].cpu(), 1, generator=gen))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
 from spork_trt.core import CoreConfig, EngineCore, Request
 from spork_trt.drafters import NgramDrafter
 from spork_trt.engines import SeqInput, chain_input
@@ -73,6 +73,61 @@ def test_spork_on_the_device_engine_is_lossless(target, width, depth):
         got = generate(device(target), p, GenerateConfig(max_new_tokens=40), frozenset(), drafter=NgramDrafter(4),
                        spec=spec)
         assert got.token_ids == generate(device(target), p, GenerateConfig(max_new_tokens=40), frozenset()).token_ids
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that behaves like one on a GPU where it matters here: ops mixing it with a host tensor (other
+    than a 0-dim one) or a host generator fail, .numpy() fails; .cpu() brings it to the host; .tolist(), int()
+    and float() read it (a synchronizing copy on CUDA)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.cpu,):
+            return args[0].as_subclass(torch.Tensor).clone()
+        if func in (torch.Tensor.numpy,):
+            raise RuntimeError("can't convert a device tensor to numpy: copy it to the host first")
+        flat = [*args, *kwargs.values()]
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        if any(type(a) is torch.Tensor and a.dim() > 0 for a in flat):
+            raise RuntimeError(f"{func.__name__}: expected all tensors on the same device, found a host tensor")
+        if kwargs.get("generator") is not None:
+            raise RuntimeError(f"{func.__name__}: a host generator with a device tensor")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class LogitsOnDevice(DeviceEngine):
+    """The device engine with its logits marked as living on a device (OnDevice)."""
+
+    def run(self, entries, hidden):
+        return [x.as_subclass(OnDevice) for x in super().run(entries, hidden)]
+
+    def fresh(self):
+        out = super().fresh()
+        out.__class__ = LogitsOnDevice
+        return out
+
+
+def test_logits_stay_on_the_device_and_verification_reads_them_there(target):
+    """The device engine's logits stay on its device: the engine core verifies with them there (greedy argmax on
+    the device, sampling's processed distribution copied to the host) and is still lossless, batched and alone;
+    the host-tensor guard itself fires."""
+    with pytest.raises(RuntimeError, match="host tensor"):
+        torch.zeros(3).as_subclass(OnDevice) + torch.ones(3)
+    assert type(device(target).forward_batch([chain_input(device(target).make_cache(20), [1, 2, 3])])[0]) \
+        is torch.Tensor
+    spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=8)
+    for sampling in (GenerateConfig().sampling, SamplingConfig(temperature=0.8, top_p=0.9, seed=3)):
+        cfg = GenerateConfig(max_new_tokens=30, sampling=sampling)
+        outs = []
+        for eng in (LogitsOnDevice(target, "cpu", "fp32"), device(target)):
+            core = EngineCore(eng, 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
+            outs.append(run_core(core, [Request(p, cfg, spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
+                                        for i, p in enumerate(PROMPTS)]))
+        for i, p in enumerate(PROMPTS):
+            assert outs[0][i].token_ids == outs[1][i].token_ids and len(outs[0][i].token_ids) == 30
+            if sampling.greedy:
+                assert outs[0][i].token_ids == generate(device(target), p, cfg, frozenset()).token_ids
 
 
 def test_half_precision_runs_and_cuda_needs_a_gpu(target):

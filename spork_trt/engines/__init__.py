@@ -5,11 +5,14 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   forward_batch([SeqInput]) -> [logits [r_b, V]]   a ragged batch: each sequence's new tokens after every row its
                                                    cache holds (committed + pending; `seen` may narrow the pending
                                                    rows each token attends: a model drafter's tree depths), with
-                                                   its tree's own [n, n] ancestor mask; appends n_b pending rows to each cache and
-                                                   returns logits at the rows it asks for (`logit_rows`; all by
-                                                   default). One forward for all of them (the engine pads to
-                                                   [B, T], or packs the tokens: `padded_batches`; the LM head
-                                                   runs at the asked-for rows only).
+                                                   its tree's own [n, n] ancestor mask; appends n_b pending
+                                                   rows to each cache and returns logits at the rows it asks
+                                                   for (`logit_rows`; all by default). One forward for all of
+                                                   them (the engine pads to [B, T], or packs the tokens:
+                                                   `padded_batches`; the LM head runs at the asked-for rows
+                                                   only). The logits may stay on the engine's device (the
+                                                   device engine's do): consumers take the argmax there and
+                                                   copy to the host what needs it.
   forward_batch(seqs, hidden=[])                   also appends each sequence's hidden states [n_b, k*C] after
                                                    the engine's `taps` layers (the learned draft head's features;
                                                    only engines with taps, a target built with a head)

@@ -11,9 +11,11 @@ rows) with every sequence's T new tokens padded to a bucket:
   the model writes its new K/V rows in place (scatter into the pool) and attends over the whole slot, masked
 
 So every tensor of a bucket has a fixed shape and address: the forward is captured once per bucket as a CUDA graph
-and replayed (inputs copied into its static buffers). Logits come back at the asked-for rows only (gathered on the
-device, then copied to the host). Committing a tree path is kv_cache.Rows.commit on the slot's view (a gather on
-the device). Written against PyTorch's documented CUDA graph API (torch.cuda.graph); without a GPU it runs eagerly.
+and replayed (inputs copied into its static buffers). Logits come back at the asked-for rows only, gathered and left
+on the device: greedy verification takes their argmax there and only the R token ids cross to the host (a 64-node
+tree's fp32 logits are 12.6 MB; sampling copies its processed distribution over). Committing a tree path is
+kv_cache.Rows.commit on the slot's view (a gather on the device). Written against PyTorch's documented CUDA graph
+API (torch.cuda.graph); without a GPU it runs eagerly.
 """
 from __future__ import annotations
 
@@ -172,7 +174,9 @@ class DeviceEngine(CachedEngine):
             getattr(buf, name).copy_(x, non_blocking=True)
         self.replay(pool, buf, b, hidden is not None)
         at = torch.cat(flat).to(self.device)
-        logits = buf.logits.index_select(0, at).float().cpu()  # [R, V]
+        logits = buf.logits.index_select(0, at).float()  # [R, V], on the device
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a step's time is its forward's: the scheduler prices trees by it
         out = list(torch.split(logits, [len(f) for f in flat]))
         for (cache, tokens, *_), s in zip(entries, slots):
             cache.written(len(tokens))
