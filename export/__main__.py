@@ -19,7 +19,8 @@ EXAMPLES = """examples:
   python -m export build --backend tensorrt --precision fp8 --out engines/trt   # GPU host with TensorRT
   python -m export inspect engines/default
   python -m export triton                                 # engines/default/triton_repo (cpu profile)
-  python -m export triton --profile gpu --out triton_gpu  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
+  python -m export triton --profile gpu --out triton_gpu  # the device engine on CUDA (bf16, CUDA graphs), KIND_GPU
+  python -m export triton --profile gpu-onnx --out triton_ort  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
   python -m export triton --slots 32 --max-context 1024   # 32 requests per batch, smaller KV pool
   python -m export calibrate                              # fit on all of mt_bench, report on all of humaneval
   python -m export calibrate --prompts humaneval --json   # the reverse direction (collected nodes are reused)
@@ -78,9 +79,18 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
-    t.add_argument("--profile", choices=["cpu", "gpu"], default="cpu",
-                   help="cpu: ONNX Runtime CPU; gpu: TensorRT/CUDA execution providers, KIND_GPU (unverified)")
-    from spork_trt.triton_repo import RepoConfig
+    from spork_trt.triton_repo import DTYPES, PROFILES, RepoConfig
+
+    t.add_argument("--profile", choices=PROFILES, default="cpu",
+                   help="cpu: ONNX Runtime CPU; gpu: the device engine on CUDA (CUDA graphs, KV pool on the GPU), "
+                        "KIND_GPU; gpu-onnx: the build's graphs on ONNX Runtime's TensorRT/CUDA execution providers, "
+                        "KIND_GPU (both gpu profiles unverified: never run on a GPU)")
+    t.add_argument("--device", choices=["cuda", "cpu", "onnx"], default=None,
+                   help="where the spork model's target runs: cuda or cpu = the device engine there (cpu: its code "
+                        "eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
+                        "gpu, else onnx)")
+    t.add_argument("--dtype", choices=DTYPES, default=RepoConfig.dtype,
+                   help="the device engine's precision (default: %(default)s)")
 
     t.add_argument("--instances", type=int, default=RepoConfig.instances,
                    help="spork model instances, each one engine core over its own KV pool (default: %(default)s)")
@@ -248,8 +258,9 @@ def calibrate(a) -> int:
 def triton(a) -> int:
     from spork_trt.triton_repo import RepoConfig, render
 
+    device = "" if a.device == "onnx" else a.device
     repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances, a.slots,
-                             a.draft, a.max_context, a.max_queue, a.unary_instances))
+                             a.draft, a.max_context, a.max_queue, a.unary_instances, device, a.dtype))
     print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
     return 0
 

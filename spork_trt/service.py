@@ -1,5 +1,6 @@
 """What the Triton models do, without Triton: validate a request, hand it to the engine core that steps every
-request together, stream chunks. `triton_repo/*/model.py` only convert tensors and errors; everything here is tested directly.
+request together, stream chunks. `triton_repo/*/model.py` only convert tensors and errors; everything here is tested
+directly.
 
 A request's tensors arrive as numpy arrays with a batch dim of 1 (the models have max_batch_size > 0); an absent
 optional input is None and means the default.
@@ -145,10 +146,19 @@ def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
     (a relative one is relative to the repository root)."""
     import json
 
-    params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+    params = {k: v.get("string_value", "")  # an empty string is left out of the config's JSON
+              for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
     p = Path(params["engines"])
     params["engines"] = str(p if p.is_absolute() else (Path(args["model_repository"]).parent / p).resolve())
     return params
+
+
+def instance_device(device: str, args: Mapping[str, str]) -> str | None:
+    """The device engine's device for a Triton model instance: the config's `device` ("": the build's ONNX Runtime
+    engines), with cuda made this instance's GPU (a KIND_GPU group places one instance per listed GPU)."""
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', 0)}"
+    return device or None
 
 
 def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
@@ -230,9 +240,10 @@ class Service:
 
     @classmethod
     def load(cls, engines: Path, draft: str = AUTO_DRAFT,
-             providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8)
-             ) -> Service:
-        rt = Runtime.from_engines(engines, providers)
+             providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8),
+             device: str | None = None, dtype: str = "bf16") -> Service:
+        """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`."""
+        rt = Runtime.from_engines(engines, providers, device=device, dtype=dtype)
         spec = rt.resolve(SpecConfig.for_draft(draft))
         if spec.draft in ("ngram", "store", "eagle", "store-eagle"):
             rt.drafter(spec.draft, SamplingConfig())  # a build without its datastore or head fails now, in one line

@@ -17,10 +17,13 @@ from . import io_spec
 from .config import AUTO_DRAFT, SpecConfig
 from .errors import UserError
 
-PROFILES = ("cpu", "gpu")
+PROFILES = ("cpu", "gpu", "gpu-onnx")
 MAX_BATCH_SIZE = 8  # requests the server may hand a model at once; each is still answered on its own
 TEMPLATES = Path(__file__).resolve().parents[1] / "triton_repo"
-# the gpu profile runs the same loop on ONNX Runtime's TensorRT and CUDA execution providers (unverified: no GPU)
+# gpu: the spork model's target on the device engine (engines/device_engine.py: CUDA graphs, KV pool on the GPU);
+# gpu-onnx: the build's ONNX graphs on ONNX Runtime's TensorRT and CUDA execution providers (both unverified: no GPU)
+DEVICES = ("", "cpu", "cuda")  # "": the build's ONNX Runtime engines; cpu runs the device engine's code eagerly
+DTYPES = ("bf16", "fp16", "fp32")
 GPU_PROVIDERS = "TensorrtExecutionProvider,CUDAExecutionProvider,CPUExecutionProvider"
 
 
@@ -28,17 +31,23 @@ GPU_PROVIDERS = "TensorrtExecutionProvider,CUDAExecutionProvider,CPUExecutionPro
 class RepoConfig:
     engines: Path = Path("engines/default")
     out: Path | None = None  # None: ENGINES/triton_repo
-    profile: str = "cpu"  # cpu | gpu
+    profile: str = "cpu"  # cpu | gpu | gpu-onnx
     instances: int = 1  # spork model instances (each one engine core over its own KV pool)
     slots: int = 16  # requests one instance decodes at once (KV pool slots); more queue
     draft: str = AUTO_DRAFT  # resolved by the server: store when the engines have a datastore, else ngram
     max_context: int = 0  # positions a request may use (prompt + max_tokens); 0: the model's context window
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
     unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once
+    device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
+    dtype: str = "bf16"  # the device engine's precision (DTYPES)
 
     @property
     def repo(self) -> Path:
         return self.out or self.engines / "triton_repo"
+
+    @property
+    def target_device(self) -> str:
+        return ("cuda" if self.profile == "gpu" else "") if self.device is None else self.device
 
 
 def tree_room(draft: str) -> int:
@@ -129,12 +138,16 @@ def render(cfg: RepoConfig) -> Path:
     if not 1 <= cfg.instances <= 64 or not 1 <= cfg.slots <= 256 or not 1 <= cfg.unary_instances <= 64:
         raise UserError("--instances must be in 1..64, --slots in 1..256 and --unary-instances in 1..64")
     if cfg.max_queue < 0:
-        raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got {cfg.max_queue}")
+        raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got "
+                        f"{cfg.max_queue}")
+    if cfg.target_device not in DEVICES or cfg.dtype not in DTYPES:
+        raise UserError(f"--device must be one of cuda, cpu (or none: ONNX Runtime) and --dtype one of "
+                        f"{', '.join(DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
     manifest = mf.read(cfg.engines)  # a clear error if this is not a build
     window = mf.spec_config(manifest["model"]).max_seq_len
-    if cfg.profile == "gpu" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:
+    if cfg.profile == "gpu-onnx" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:
         print(f"warning: {cfg.engines} has GroupQueryAttention graphs, whose attention ONNX Runtime's GPU providers "
-              "run on the CPU (its CUDA kernels are fp16/bf16 only): for --profile gpu build with "
+              "run on the CPU (its CUDA kernels are fp16/bf16 only): for --profile gpu-onnx build with "
               "`python -m export build --attention plain`", file=sys.stderr)
     if not 0 <= cfg.max_context <= window:
         raise UserError(f"--max-context must be in 1..{window} (the model's context window; 0 means all of it)")
@@ -146,12 +159,13 @@ def render(cfg: RepoConfig) -> Path:
     engines = cfg.engines.resolve()
     inside = repo.resolve().is_relative_to(engines)
     where = os.path.relpath(engines, repo.resolve()) if inside else str(engines)  # relative: the build can move
-    gpu = cfg.profile == "gpu"
+    gpu = cfg.profile != "cpu"
     params = {
         "preprocessing": {"engines": where},
         "spork": {"engines": where, "draft": cfg.draft, "slots": str(cfg.slots), "max_len": str(max_len),
-                  "max_queue": str(cfg.max_queue), "providers": GPU_PROVIDERS if gpu else "CPUExecutionProvider",
-                  "_count": str(cfg.instances)},
+                  "max_queue": str(cfg.max_queue),
+                  "providers": GPU_PROVIDERS if cfg.profile == "gpu-onnx" else "CPUExecutionProvider",
+                  "device": cfg.target_device, "dtype": cfg.dtype, "_count": str(cfg.instances)},
         "spork_unary": {"_count": str(cfg.unary_instances)},
         "postprocessing": {"engines": where},
     }

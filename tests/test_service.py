@@ -151,3 +151,37 @@ def test_loading_refuses_a_drafter_the_build_lacks_in_one_line(default_engines, 
     """The server's model fails at load, not on its first request: a default build has a datastore, no head."""
     with pytest.raises(UserError, match="needs a build with a draft head"):
         Service.load(default_engines, draft)
+
+
+@pytest.mark.slow
+def test_a_service_on_the_device_engine_drafts_from_the_build_losslessly(default_engines, default_runtime,
+                                                                          default_tokenizer):
+    """Service.load with a device (the Triton gpu profile's target; cpu runs the device engine's code eagerly): the
+    build's datastore drafts for it, its answer is the reference engine's plain greedy one, and what it cannot run
+    (drafts on the target's cache) is refused at load."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.core import CoreConfig
+
+    svc = Service.load(default_engines, core=CoreConfig(slots=2), device="cpu", dtype="fp32")
+    try:
+        assert svc.runtime.backend == "torch-cpu-fp32" and svc.spec.draft == "store"
+        prompt = default_tokenizer.encode_prompt("List three uses of a paperclip.")
+        done, chunks = run(svc, prompt, 32, stream=True)
+        assert done and tokens(chunks) == default_runtime.generate(prompt, GenerateConfig(max_new_tokens=32),
+                                                                   mode="plain").token_ids
+        assert chunks[-1].stats.draft_tokens > 0
+    finally:
+        svc.close()
+    with pytest.raises(UserError, match="not with the device engine"):
+        Service.load(default_engines, "early-exit:8", device="cpu")
+
+
+def test_the_device_engine_needs_the_builds_own_checkpoint(tmp_path):
+    from spork_trt.runtime import source_checkpoint
+
+    with pytest.raises(UserError, match="which is not here"):
+        source_checkpoint({"source": {"path": str(tmp_path / "gone.gguf"), "sha256": "0" * 64}})
+    changed = tmp_path / "model.gguf"
+    changed.write_bytes(b"not the same bytes")
+    with pytest.raises(UserError, match="changed since the build"):
+        source_checkpoint({"source": {"path": str(changed), "sha256": "0" * 64}})

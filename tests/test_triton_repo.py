@@ -22,12 +22,12 @@ def same(io, t: io_spec.TritonTensor) -> bool:
         t.name, "TYPE_" + t.dtype, list(t.dims), t.optional)
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-onnx"])
 def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, capsys):
     repo = render(RepoConfig(default_engines, tmp_path / "repo", profile, instances=2, slots=4, max_context=1024,
                              unary_instances=3))
-    # the default build's GroupQueryAttention graphs: the gpu profile says to build plain attention graphs for it
-    assert ("--attention plain" in capsys.readouterr().err) == (profile == "gpu")
+    # the default build's GroupQueryAttention graphs: ORT's GPU providers want plain attention graphs
+    assert ("--attention plain" in capsys.readouterr().err) == (profile == "gpu-onnx")
     steps = {s.name: s for s in io_spec.TRITON_STEPS}
     for name, spork in io_spec.ENTRY_POINTS.items():
         for model in ("preprocessing", spork, "postprocessing"):
@@ -42,12 +42,14 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
                     "model_repository": str(repo / model)}  # what Triton hands initialize()
             if model != "spork_unary":  # it loads no engines: it calls spork (one core, one pool)
                 assert model_parameters(args)["engines"] == str(default_engines.resolve())
-            gpu = profile == "gpu" and model == "spork"
+            gpu = profile != "cpu" and model == "spork"
             assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
         sp = load(repo, "spork")
         assert sp.instance_group[0].count == 2 and sp.parameters["slots"].string_value == "4"
         assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
-        assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu")
+        assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu-onnx")
+        assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
+        assert sp.parameters["dtype"].string_value == "bf16"
         assert load(repo, "spork_unary").instance_group[0].count == 3
         e = load(repo, name)
         assert e.platform == "ensemble"
@@ -67,6 +69,17 @@ def test_render_refuses_what_is_not_a_build(tmp_path):
         render(RepoConfig(tmp_path))
     with pytest.raises(UserError, match="--profile"):
         render(RepoConfig(tmp_path, profile="tpu"))
+    for bad in (dict(device="tpu"), dict(profile="gpu", dtype="fp8")):
+        with pytest.raises(UserError, match="--device must be one of cuda, cpu"):
+            render(RepoConfig(tmp_path, **bad))
+
+
+def test_each_gpu_instance_runs_on_its_own_gpu():
+    from spork_trt.service import instance_device
+
+    assert instance_device("cuda", {"model_instance_kind": "GPU", "model_instance_device_id": "1"}) == "cuda:1"
+    assert instance_device("cpu", {"model_instance_kind": "CPU"}) == "cpu"
+    assert instance_device("", {"model_instance_kind": "GPU"}) is None  # ONNX Runtime on its providers
 
 
 def test_render_refuses_bad_sizes(default_engines, tmp_path):

@@ -75,8 +75,9 @@ def test_same_greedy_text_over_every_protocol(server, local):
 
 def test_cli_generate_and_client_agree(server, default_engines):
     prompt = mt_bench_prompts(1)[0]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "spork_trt", *a], capture_output=True, text=True,
-                                    timeout=300)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "spork_trt", *a], capture_output=True, text=True, timeout=300)
+
     local = run("generate", prompt, "--engines", str(default_engines), "--max-new-tokens", str(MAX_TOKENS), "--json")
     assert local.returncode == 0, local.stderr
     served = run("client", prompt, "--url", server.grpc_url, "--stream", "--max-tokens", str(MAX_TOKENS))
@@ -308,6 +309,28 @@ def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
         p.kill()
     with pytest.raises(UserError, match="cannot reach Triton"):
         query("hi", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate"))
+
+
+def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines, tmp_path):
+    """`export triton --device cpu` (the gpu profile's device engine, its code run eagerly on the CPU): a real
+    tritonserver answers over gRPC streaming and HTTP with the device engine's own plain greedy text."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.runtime import Runtime
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device="cpu", dtype="fp32"))
+    rt = Runtime.from_engines(default_engines, device="cpu", dtype="fp32")
+    drafted = 0
+    with TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(),
+                                   metrics_port=free_port())) as s:
+        for prompt in mt_bench_prompts(1) + humaneval_prompts(1):
+            want = rt.generate(rt.tokenizer.encode_prompt(prompt), GenerateConfig(max_new_tokens=MAX_TOKENS),
+                               mode="plain").text
+            for protocol, stream in (("grpc", True), ("http", False)):
+                reply = query(prompt, cfg(s, protocol, stream))
+                assert reply.text == want, (protocol, prompt[:40])
+                drafted += reply.stats["total_draft_tokens"]
+    assert drafted > 0  # the build's datastore drafts for it (the draft switch may stop where it does not pay)
 
 
 def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path):

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 from spork_trt import io_spec
 from spork_trt.core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
-from spork_trt.service import Service, model_parameters
+from spork_trt.service import Service, instance_device, model_parameters
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -47,7 +47,8 @@ class TritonPythonModel:
         core = CoreConfig(slots=int(params["slots"]), max_len=int(params["max_len"]),
                           max_queue=int(params["max_queue"]))
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
-                                    core)
+                                    core, device=instance_device(params.get("device", ""), args),
+                                    dtype=params.get("dtype", "bf16"))
         self.metrics, self.families = {}, []  # a family must outlive its metrics
         for name, kind, doc, field in METRICS:
             family = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind))
