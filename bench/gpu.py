@@ -43,15 +43,22 @@ def stage(msg: str) -> None:
 
 
 def timed(engine, prompts: list[list[int]], cfg: GenerateConfig, eos, drafter=None, spec=SpecConfig()) -> dict:
-    """Greedy runs one at a time: outputs, tokens/s, tokens per step."""
+    """Greedy runs one at a time: outputs, tokens/s, tokens per step, and a decode step's milliseconds: all of it,
+    drafting (propose), and the target forward with verification and commit (verify); the rest is the loop's host
+    work (scheduling, trees, streaming), which weighs more the faster the forward."""
     outs, tokens, steps, t = [], 0, 0, time.perf_counter()
+    step_s = propose_s = verify_s = 0.0
     for p in prompts:
         r = generate(engine, p, cfg, eos, drafter=drafter() if drafter else None, spec=spec)
         outs.append(r.token_ids)
-        tokens, steps = tokens + r.stats.committed_tokens, steps + r.stats.steps
-    s = time.perf_counter() - t
+        st = r.stats
+        tokens, steps = tokens + st.committed_tokens, steps + st.steps
+        step_s, propose_s, verify_s = step_s + st.time_s - st.prefill_s, propose_s + st.propose_s, \
+            verify_s + st.verify_s
+    s, n = time.perf_counter() - t, max(steps, 1)
     return {"outputs": outs, "tokens": tokens, "seconds": round(s, 2), "tokens_per_s": round(tokens / s, 1),
-            "tokens_per_step": round(tokens / max(steps, 1), 2)}
+            "tokens_per_step": round(tokens / n, 2), "step_ms": round(1e3 * step_s / n, 3),
+            "propose_ms": round(1e3 * propose_s / n, 3), "verify_ms": round(1e3 * verify_s / n, 3)}
 
 
 def hf_speed(ck, device: str, dtype: torch.dtype, prompts: list[list[int]], max_new: int, eos) -> dict:

@@ -127,8 +127,9 @@ class Runtime:
 
         def draft_engine(kind: str, arg: str):
             if device is not None and kind == "early-exit":
-                raise UserError("early-exit drafts and the verifier run on the target's own cache: not with the "
-                                "device engine (use ngram, store, eagle or a self-draft)")
+                raise UserError("the early-layer verifier runs on the target's own cache, and early-exit drafts "
+                                "share its engine: not with the device engine (use ngram, store, eagle or a "
+                                "self-draft)")
             if kind in built:
                 return load_engine(d, built[kind], cfg, providers)
             if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
