@@ -79,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
-    from spork_trt.triton_repo import DTYPES, PROFILES, RepoConfig
+    from spork_trt.config import DEVICE_DTYPES
+    from spork_trt.triton_repo import PROFILES, RepoConfig
 
     t.add_argument("--profile", choices=PROFILES, default="cpu",
                    help="cpu: ONNX Runtime CPU; gpu: the device engine on CUDA (CUDA graphs, KV pool on the GPU), "
@@ -89,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
                    help="where the spork model's target runs: cuda or cpu = the device engine there (cpu: its code "
                         "eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
                         "gpu, else onnx)")
-    t.add_argument("--dtype", choices=DTYPES, default=RepoConfig.dtype,
+    t.add_argument("--dtype", choices=DEVICE_DTYPES, default=RepoConfig.dtype,
                    help="the device engine's precision (default: %(default)s)")
 
     t.add_argument("--instances", type=int, default=RepoConfig.instances,
@@ -148,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default with --device cuda: SmolLM2-135M-Instruct)")
     s.add_argument("--device", choices=["cpu", "cuda"], default=D.device,
                    help="cuda: the device engine (CUDA graphs; use many --slots) (default: %(default)s)")
-    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=D.dtype,
+    s.add_argument("--dtype", choices=DEVICE_DTYPES, default=D.dtype,
                    help="the device engine's precision with --device cuda (default: %(default)s)")
     s.add_argument("--seed", type=int, default=D.seed, help="Magpie sampling and stdlib choice (default: %(default)s)")
     k = sub.add_parser("pack", help="a self-data run -> the corpus that ships in the package for its target "

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import AUTO_DRAFT, DRAFT_HELP, GenerateConfig, SamplingConfig, SpecConfig
+from .config import AUTO_DRAFT, DEVICE_DTYPES, DRAFT_HELP, GenerateConfig, SamplingConfig, SpecConfig
 from .errors import UserError
 
 GENERATE_EXAMPLES = """examples:
@@ -61,7 +61,7 @@ def build_parser() -> Parser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
                         "unverified until it runs on a GPU)")
-    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16",
+    g.add_argument("--dtype", choices=DEVICE_DTYPES, default="bf16",
                    help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")

@@ -72,6 +72,7 @@ SELF_DRAFTS = tuple(f"self-{q}" for q in QUANTS)
 AUTO_DRAFT = "auto"  # the best measured drafter a runtime has: store with a datastore, else ngram (README)
 DRAFT_HELP = f"auto | ngram | store | eagle | store-eagle | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
 
+DEVICE_DTYPES = ("bf16", "fp16", "fp32")  # the device engine's precisions (--dtype)
 VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well at twice the cost (README)
 
 # Tree shape (width, depth, budget) per drafter kind, from `python -m bench run` (README): model drafters pay per

@@ -123,7 +123,6 @@ class Runtime:
             require_device(device)  # one clear line, before the checkpoint loads
             target = DeviceEngine(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
             m = {**m, "backend": f"torch-{device}-{dtype}"}
-            load_head = False
 
         def draft_engine(kind: str, arg: str):
             if device is not None and kind == "early-exit":
@@ -141,7 +140,7 @@ class Runtime:
         if device is None:
             target = load_engine(d, built["target"], cfg, providers)
         layers = built["verifier"]["layers"]
-        heads = load_heads(d, layers) if load_head else {}
+        heads = load_heads(d, layers) if load_head and device is None else {}  # the verifier: not on a device
         store = Datastore.load(d) if "store" in built else None
         head = None
         if "head" in built:

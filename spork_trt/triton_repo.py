@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import io_spec
-from .config import AUTO_DRAFT, SpecConfig
+from .config import AUTO_DRAFT, DEVICE_DTYPES, SpecConfig
 from .errors import UserError
 
 PROFILES = ("cpu", "gpu", "gpu-onnx")
@@ -23,7 +23,6 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "triton_repo"
 # gpu: the spork model's target on the device engine (engines/device_engine.py: CUDA graphs, KV pool on the GPU);
 # gpu-onnx: the build's ONNX graphs on ONNX Runtime's TensorRT and CUDA execution providers (both unverified: no GPU)
 DEVICES = ("", "cpu", "cuda")  # "": the build's ONNX Runtime engines; cpu runs the device engine's code eagerly
-DTYPES = ("bf16", "fp16", "fp32")
 GPU_PROVIDERS = "TensorrtExecutionProvider,CUDAExecutionProvider,CPUExecutionProvider"
 
 
@@ -39,7 +38,7 @@ class RepoConfig:
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
     unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
-    dtype: str = "bf16"  # the device engine's precision (DTYPES)
+    dtype: str = "bf16"  # the device engine's precision (DEVICE_DTYPES)
 
     @property
     def repo(self) -> Path:
@@ -140,9 +139,9 @@ def render(cfg: RepoConfig) -> Path:
     if cfg.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got "
                         f"{cfg.max_queue}")
-    if cfg.target_device not in DEVICES or cfg.dtype not in DTYPES:
+    if cfg.target_device not in DEVICES or cfg.dtype not in DEVICE_DTYPES:
         raise UserError(f"--device must be one of cuda, cpu (or none: ONNX Runtime) and --dtype one of "
-                        f"{', '.join(DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
+                        f"{', '.join(DEVICE_DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
     manifest = mf.read(cfg.engines)  # a clear error if this is not a build
     window = mf.spec_config(manifest["model"]).max_seq_len
     if cfg.profile == "gpu-onnx" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:

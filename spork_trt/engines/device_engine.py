@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ModelConfig
+from ..config import DEVICE_DTYPES, ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
 from . import CachedEngine, SeqInput
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up to one of these
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = dict(zip(DEVICE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
