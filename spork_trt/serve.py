@@ -1,5 +1,11 @@
-"""Launch Triton Inference Server on a rendered repository: loopback only by default, explicit model control,
-wait until ready, log to a file, shut down cleanly.
+"""Launch Triton Inference Server on a rendered repository: loopback only by default, closed model control, wait
+until ready, log to a file, shut down cleanly.
+
+Closed by default: `--model-control-mode=none` loads exactly the rendered repository at start and refuses every
+load and unload request (over HTTP and gRPC), since a client that may load a python-backend model can run code in
+the server. The administrative APIs (the repository index, shared-memory registration, log and trace settings) are restricted to
+clients that send the operator's key in the `spork-admin-key` header (ServerConfig.admin_key, from SPORK_ADMIN_KEY;
+none set: a random key nobody knows, so they are off).
 
 The binary is the `tritonserver` on PATH if there is one, else the CPU build inside the nvidia-pytriton wheel
 (DESIGN.md section 7): its python backend is copied once into a private folder together with the stub for this
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,12 +25,15 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
 
 MODELS = ("preprocessing", "spork", "spork_unary", "postprocessing", "ensemble", "ensemble_unary")
+# Triton's restricted-API groups held behind the operator's key (model control is also off: mode none)
+ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "spork-admin-key"
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,8 @@ class ServerConfig:
     metrics_port: int = 8002
     log_file: Path | None = None  # None: REPO/../logs/tritonserver.log (beside the engines, outside the repository)
     ready_timeout_s: float = 600.0
+    # the key of the administrative APIs (header ADMIN_HEADER); "": a random key per start, so they are off
+    admin_key: str = field(default_factory=lambda: os.environ.get("SPORK_ADMIN_KEY", ""))
 
     @property
     def log(self) -> Path:
@@ -93,8 +105,11 @@ def private_python_backend(root: Path) -> Path:
 
 
 def command(cfg: ServerConfig, binary: Binary) -> list[str]:
-    cmd = [str(binary.path), f"--model-repository={cfg.repo.resolve()}", "--model-control-mode=explicit",
-           *(f"--load-model={m}" for m in MODELS), "--exit-on-error=true", "--strict-readiness=true",
+    key = cfg.admin_key or secrets.token_hex(16)
+    restricted = f"{ADMIN_APIS}:{ADMIN_HEADER}={key}"
+    cmd = [str(binary.path), f"--model-repository={cfg.repo.resolve()}", "--model-control-mode=none",
+           "--exit-on-error=true", "--strict-readiness=true",
+           f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
            f"--http-address={cfg.host}", f"--http-port={cfg.http_port}",
            f"--grpc-address={cfg.host}", f"--grpc-port={cfg.grpc_port}",
            f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}", "--log-verbose=0"]

@@ -88,6 +88,37 @@ def test_cli_generate_and_client_agree(server, default_engines):
     assert down.returncode == 2 and down.stderr.startswith("error: cannot reach Triton")
 
 
+def test_model_control_and_admin_apis_are_closed(server, local):
+    """Nobody who reaches the ports can unload a model (the service would be down) or load one (a python-backend
+    model runs code in the server), over HTTP or gRPC; shared-memory registration and log settings need the
+    operator's key. The service keeps answering afterwards."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    def post(path: str, body: dict | None = None, headers: dict | None = None) -> int:
+        req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body or {}).encode(),
+                                     method="POST", headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    for name in ("spork", "ensemble", "preprocessing"):
+        assert post(f"/v2/repository/models/{name}/unload") >= 400, name
+    payload = {"parameters": {"config": json.dumps({"backend": "python"}), "file:1/model.py": "aW1wb3J0IG9z"}}
+    assert post("/v2/repository/models/evil/load", payload) >= 400
+    assert post("/v2/systemsharedmemory/region/r/register", {"key": "/x", "offset": 0, "byte_size": 8}) >= 400
+    assert post("/v2/logging", {"log_verbose_level": 1}) >= 400
+    with grpcclient.InferenceServerClient(server.grpc_url) as g:
+        for call in (lambda: g.unload_model("spork"), lambda: g.load_model("spork")):
+            with pytest.raises(InferenceServerException):
+                call()
+        assert g.is_model_ready("spork") and g.is_model_ready("ensemble")
+    prompt = mt_bench_prompts(1)[0]
+    assert query(prompt, cfg(server, "http")).text == local(prompt)
+
+
 def raw_infer(server, inputs: dict[str, tuple[np.ndarray, str]]) -> str:
     """tritonclient HTTP infer with hand-made tensors; returns the error message ('' on success)."""
     import tritonclient.http as httpclient
