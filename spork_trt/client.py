@@ -196,3 +196,9 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
     except urllib.error.URLError as e:
         raise UserError(f"cannot reach Triton at {cfg.address} ({e.reason}): start it with "
                         "`python -m spork_trt serve`") from None
+    except ConnectionError as e:  # reset or closed: refused while draining, or cut mid-stream
+        if col.reply.chunks:
+            raise UserError(f"the connection to Triton at {cfg.address} was lost after {col.reply.chunks} chunks "
+                            f"({e}): the answer is incomplete") from None
+        raise UserError(f"Triton at {cfg.address} closed the connection before answering ({e}): it may be "
+                        "stopping; retry elsewhere or later") from None

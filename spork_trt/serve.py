@@ -34,6 +34,7 @@ MODELS = ("preprocessing", "spork", "spork_unary", "postprocessing", "ensemble",
 # Triton's restricted-API groups held behind the operator's key (model control is also off: mode none)
 ADMIN_APIS = "model-repository,shared-memory,logging,trace"
 ADMIN_HEADER = "spork-admin-key"
+GUARD_MARGIN_S = 15.0  # past the drain timeout, before the group is killed
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ServerConfig:
     metrics_port: int = 8002
     log_file: Path | None = None  # None: REPO/../logs/tritonserver.log (beside the engines, outside the repository)
     ready_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0  # on stop: in-flight requests get this long to finish (Triton's exit timeout)
     # the key of the administrative APIs (header ADMIN_HEADER); "": a random key per start, so they are off
     admin_key: str = field(default_factory=lambda: os.environ.get("SPORK_ADMIN_KEY", ""))
 
@@ -112,10 +114,31 @@ def command(cfg: ServerConfig, binary: Binary) -> list[str]:
            f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
            f"--http-address={cfg.host}", f"--http-port={cfg.http_port}",
            f"--grpc-address={cfg.host}", f"--grpc-port={cfg.grpc_port}",
-           f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}", "--log-verbose=0"]
+           f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}", "--log-verbose=0",
+           f"--exit-timeout-secs={max(1, round(cfg.drain_timeout_s))}"]
     if binary.backend_dir is not None:
         cmd.append(f"--backend-directory={binary.backend_dir}")
     return cmd
+
+
+def refuse_ports_in_use(cfg: ServerConfig) -> None:
+    """A port already answering would make `serve` report ready for somebody else's server: refuse before starting."""
+    for flag, port in (("--http-port", cfg.http_port), ("--grpc-port", cfg.grpc_port),
+                       ("--metrics-port", cfg.metrics_port)):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
+            try:
+                sock.bind((cfg.host, port))
+            except OSError:
+                raise UserError(f"port {port} on {cfg.host} is in use (another server?): stop it or choose another "
+                                f"{flag}") from None
+
+
+def keep_previous(log: Path) -> None:
+    """The last run's log stays beside the new one as LOG.1 (one generation)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if log.is_file():
+        log.replace(log.with_name(log.name + ".1"))
 
 
 def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
@@ -149,11 +172,15 @@ class TritonServer:
         return f"{self.cfg.host}:{self.cfg.grpc_port}"
 
     def start(self) -> TritonServer:
+        refuse_ports_in_use(self.cfg)
         binary = find_binary()
-        self.cfg.log.parent.mkdir(parents=True, exist_ok=True)
+        keep_previous(self.cfg.log)
+        guard = [sys.executable, "-m", "spork_trt.server_guard", str(self.cfg.drain_timeout_s + GUARD_MARGIN_S), "--"]
         with open(self.cfg.log, "w") as log:  # the child keeps its own handle
-            self.proc = subprocess.Popen(command(self.cfg, binary), env=binary.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            # the guard leads the server's process group and takes it down when this process ends, however it ends:
+            # it watches the pipe whose write end only this process holds (server_guard.py)
+            self.proc = subprocess.Popen(guard + command(self.cfg, binary), env=binary.env, stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self.wait_ready()
         except BaseException:  # Ctrl-C or SIGTERM while starting: nothing may outlive the launcher
@@ -181,19 +208,22 @@ class TritonServer:
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.cfg.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM (Triton unloads the models and stops their stubs), SIGKILL after `timeout_s`; then whatever is
-        left of the server's process group (python backend stubs of a server stopped while loading survive
-        SIGTERM) is killed, so the ports are free when this returns."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """Drain: SIGTERM (Triton refuses new requests and reports not ready at once, lets in-flight ones finish
+        within the drain timeout, unloads the models and stops their stubs); SIGKILL to the whole group after
+        `timeout_s` (default: the drain timeout and a margin) or on a second Ctrl-C, so the ports are free when this
+        returns. Returns tritonserver's exit code: 0 when everything finished."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(self.proc.pid)  # start_new_session: the group id is the server's pid
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(self.cfg.drain_timeout_s + GUARD_MARGIN_S if timeout_s is None else timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:  # a second Ctrl-C lands here too: escalate at once
+            kill_group(self.proc.pid)  # start_new_session: the group id is the guard's pid
         return self.proc.wait()
 
     def __enter__(self) -> TritonServer:

@@ -11,6 +11,11 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve                                   # engines/default/triton_repo on 127.0.0.1:8000/8001
   python -m spork_trt serve --repo engines/default/triton_repo --http-port 9000 --grpc-port 9001
   python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
+  python -m spork_trt serve --drain-timeout 120               # SIGTERM: in-flight requests get 2 minutes to finish
+
+SIGTERM (or Ctrl-C) drains: readiness turns false at once, new requests are refused, in-flight ones finish within
+--drain-timeout; the exit code is 0 when everything finished, 1 otherwise. A second Ctrl-C stops at once. Nothing
+of the server outlives this command, however it ends (SIGHUP, SIGKILL included).
 """
 CLIENT_EXAMPLES = """examples:
   python -m spork_trt client "What is speculative decoding?" --stream          # gRPC streaming
@@ -37,7 +42,10 @@ def add_serving_commands(sub) -> None:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--log", default=None, help="server log file (default: next to the repository)")
+    s.add_argument("--log", default=None, help="server log file (default: next to the repository; the previous "
+                   "one is kept as LOG.1)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish (default: %(default)s)")
     c = sub.add_parser("client", help="query a running server", epilog=CLIENT_EXAMPLES, formatter_class=fmt,
                        description="Send PROMPT to the served ensemble; streamed text goes to stdout, stats to stderr.")
     c.add_argument("prompt")
@@ -75,21 +83,33 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .serve import ServerConfig, TritonServer
     from .triton_repo import RepoConfig, ensure_rendered
 
+    if a.drain_timeout <= 0:
+        raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
     repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)))
-    cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None)
-    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as cleanly as Ctrl-C
+    cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None,
+                       drain_timeout_s=a.drain_timeout)
+    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM and SIGHUP (terminal closed) drain as Ctrl-C does
+    signal.signal(signal.SIGHUP, interrupt)
     # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupt)
     print(f"starting tritonserver on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
-    with TritonServer(cfg) as server:
-        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
-              "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
-        try:
-            while server.proc.poll() is None:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            print("stopping tritonserver ...", file=sys.stderr, flush=True)
-            return 0
+    server = TritonServer(cfg).start()
+    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
+          "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        while server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print(f"draining: in-flight requests get {a.drain_timeout:g}s to finish (Ctrl-C again stops at once) ...",
+              file=sys.stderr, flush=True)
+        code = server.stop()
+        if code != 0:
+            print(f"error: tritonserver did not stop cleanly (exit code {code}): requests may have been cut; see "
+                  f"{cfg.log}", file=sys.stderr, flush=True)
+            return 1
+        print("stopped: every request finished", file=sys.stderr, flush=True)
+        return 0
+    server.stop()
     raise UserError(f"tritonserver exited with code {server.proc.returncode}; see {cfg.log}")
 
 

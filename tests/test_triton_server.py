@@ -377,13 +377,14 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
                           "--log", str(tmp_path / "triton.log")], stderr=(tmp_path / "launcher.err").open("w"),
                          text=True)  # a file, not a pipe nobody reads: a full pipe would block the launcher
     try:
-        deadline, group = time.monotonic() + 120, None
-        while group is None:
+        deadline, server = time.monotonic() + 120, None
+        while server is None:
             assert time.monotonic() < deadline and p.poll() is None, "tritonserver did not start"
-            kids = [c for c in psutil.Process(p.pid).children() if "tritonserver" in c.name()]
-            group = kids[0].pid if kids else None
+            kids = [c for c in psutil.Process(p.pid).children(recursive=True) if "tritonserver" in c.name()]
+            server = kids[0].pid if kids else None
             time.sleep(0.1)
-        while "python" not in " ".join(c.name() for c in psutil.Process(group).children()):
+        group = os.getpgid(server)  # the guard's (server_guard.py)
+        while "python" not in " ".join(c.name() for c in psutil.Process(server).children()):
             assert time.monotonic() < deadline, "no python backend stub started"
             time.sleep(0.1)  # a stub is loading a model: the moment the stubs used to be left behind
         p.send_signal(signal.SIGINT)

@@ -1,0 +1,121 @@
+"""`serve` as an operator runs it: nothing of the server outlives the launcher however it ends (SIGHUP, a second
+Ctrl-C during the drain, SIGKILL), SIGTERM drains (the in-flight stream finishes, new requests are refused, exit 0),
+a port already in use is refused before starting, and the previous log is kept."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from spork_trt.client import ClientConfig, query
+from spork_trt.errors import UserError
+from spork_trt.serve import ServerConfig, TritonServer, free_port, keep_previous, refuse_ports_in_use
+from tests.conftest import mt_bench_prompts
+
+
+def test_a_port_in_use_is_refused_before_starting(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = ServerConfig(tmp_path, grpc_port=port, http_port=free_port(), metrics_port=free_port())
+        with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use .* --grpc-port"):
+            refuse_ports_in_use(cfg)
+    refuse_ports_in_use(cfg)  # free again
+
+
+def test_the_previous_log_is_kept(tmp_path):
+    log = tmp_path / "logs" / "tritonserver.log"
+    keep_previous(log)
+    assert not log.exists()
+    log.write_text("first run")
+    keep_previous(log)
+    assert (tmp_path / "logs" / "tritonserver.log.1").read_text() == "first run" and not log.exists()
+
+
+def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, str]:
+    """`serve` in a subprocess, ready; returns it, its server's process group (the guard's pid) and its HTTP url."""
+    ports = [str(free_port()) for _ in range(3)]
+    err = (tmp_path / "launcher.err").open("w")  # a file, not a pipe nobody reads
+    p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(engines),
+                          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                          "--log", str(tmp_path / "triton.log"), *extra], stderr=err, text=True)
+    deadline = time.monotonic() + 300
+    while "ready:" not in (tmp_path / "launcher.err").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()
+        time.sleep(0.2)
+    guards = [c.pid for c in psutil.Process(p.pid).children() if "server_guard" in " ".join(c.cmdline())]
+    assert len(guards) == 1
+    return p, guards[0], f"127.0.0.1:{ports[0]}"
+
+
+def group_members(group: int) -> list[str]:
+    out = []
+    for q in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getpgid(q.pid) == group and q.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{q.pid} {q.name()}")
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def wait_group_gone(group: int, timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := group_members(group)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGINT twice", "SIGKILL"])
+def test_nothing_outlives_the_launcher(default_engines, tmp_path, how):
+    p, group, _ = launch(default_engines, tmp_path, "--drain-timeout", "5")
+    try:
+        assert len(group_members(group)) >= 3  # the guard, tritonserver, python backend stubs
+        if how == "SIGINT twice":
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            p.send_signal(signal.SIGINT)
+        else:
+            p.send_signal(getattr(signal, how))
+        p.wait(timeout=60)
+        assert wait_group_gone(group, 5 + 15 + 20) == []  # drain timeout + the guard's margin + slack
+    finally:
+        p.kill()
+        if group_members(group):
+            os.killpg(group, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_stream_in_flight(default_engines, tmp_path):
+    """Readiness false and new requests refused at once; the stream in flight runs to its end; exit code 0."""
+    p, group, url = launch(default_engines, tmp_path, "--drain-timeout", "60")
+    try:
+        first, reply = threading.Event(), {}
+        prompt = mt_bench_prompts(1)[0]
+        cfg = ClientConfig(url=url, protocol="generate", stream=True, max_tokens=96, spec_mode="plain")
+        t = threading.Thread(target=lambda: reply.update(r=query(prompt, cfg, lambda _: first.set())))
+        t.start()
+        assert first.wait(120)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(UserError):
+            query("hi", ClientConfig(url=url, protocol="generate", max_tokens=4))
+        t.join(120)
+        assert reply["r"].stop_reason in ("eos", "max_tokens") and reply["r"].stats["num_steps"] >= 1
+        assert p.wait(timeout=90) == 0, (tmp_path / "launcher.err").read_text()[-2000:]
+        assert "every request finished" in (tmp_path / "launcher.err").read_text()
+        assert wait_group_gone(group, 10) == []
+    finally:
+        p.kill()
+        if group_members(group):
+            os.killpg(group, signal.SIGKILL)
