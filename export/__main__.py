@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   python -m export triton --profile gpu --out triton_gpu  # the device engine on CUDA (bf16, CUDA graphs), KIND_GPU
   python -m export triton --profile gpu-onnx --out triton_ort  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
   python -m export triton --slots 32 --max-context 1024   # 32 requests per batch, smaller KV pool
+  python -m export k8s --image registry.example/spork:0.1 --namespace llm   # kustomize manifests -> deploy/
   python -m export calibrate                              # fit on all of mt_bench, report on all of humaneval
   python -m export calibrate --prompts humaneval --json   # the reverse direction (collected nodes are reused)
   python -m export calibrate --limit 40                   # the first 40 prompts of each set: quicker, noisier
@@ -109,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--draft", default=RepoConfig.draft,
                    help="the drafter the server uses (default: %(default)s: store when the engines have a datastore, "
                         "else ngram)")
+    add_k8s_command(sub)
     c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from spork_trt.export.calibrate import CalibrateConfig
@@ -291,6 +293,37 @@ def inspect(a) -> int:
     return 0
 
 
+def add_k8s_command(sub) -> None:
+    from spork_trt.k8s import K8sConfig as K
+
+    k = sub.add_parser("k8s", help="kustomize manifests for a build: Triton Deployment with probes and drain, "
+                       "Service, PodDisruptionBudget, HPA on the spork queue, prometheus-adapter rules",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("--engines", default=str(K.engines), help="a build folder with its rendered repository (slots, "
+                   "instances and context size the pods; default: %(default)s); the image holds it at /engines")
+    k.add_argument("--out", default=str(K.out), help="manifests folder: base/ and overlays/{cpu,gpu} "
+                   "(default: %(default)s)")
+    k.add_argument("--image", default=K.image, help="the container image (default: %(default)s)")
+    k.add_argument("--namespace", default=K.namespace, help="(default: the one kubectl applies to)")
+    k.add_argument("--replicas", type=int, default=K.replicas, help="and the autoscaler's minimum (default: "
+                   "%(default)s)")
+    k.add_argument("--max-replicas", type=int, default=K.max_replicas, help="(default: %(default)s)")
+    k.add_argument("--drain", type=int, default=K.drain_s, metavar="S", help="serve --drain-timeout; the pod's "
+                   "grace period adds 30 s (default: %(default)s)")
+    k.add_argument("--queue-target", type=int, default=K.queue_target,
+                   help="queued requests per pod above which the autoscaler adds pods (default: %(default)s)")
+
+
+def k8s(a: argparse.Namespace) -> int:
+    from spork_trt.k8s import K8sConfig, render
+
+    written = render(K8sConfig(engines=Path(a.engines), out=Path(a.out), image=a.image, namespace=a.namespace,
+                               replicas=a.replicas, max_replicas=a.max_replicas, drain_s=a.drain,
+                               queue_target=a.queue_target))
+    print(f"wrote {len(written)} files under {a.out}: kubectl apply -k {a.out}/overlays/cpu (or gpu)")
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         a = parser().parse_args(argv)
@@ -308,6 +341,8 @@ def main(argv=None) -> int:
             return train_draft(a)
         if a.command == "convert-head":
             return convert_head(a)
+        if a.command == "k8s":
+            return k8s(a)
         from spork_trt.export.build import BuildConfig, build
 
         drafts = tuple(a.draft) if a.draft else BuildConfig.drafts
