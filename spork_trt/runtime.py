@@ -138,7 +138,7 @@ class Runtime:
                             f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
         if device is None:
-            target = load_engine(d, built["target"], cfg, providers)
+            target = load_engine(d, built["target"], cfg, providers, target=True)
         layers = built["verifier"]["layers"]
         heads = load_heads(d, layers) if load_head and device is None else {}  # the verifier: not on a device
         store = Datastore.load(d) if "store" in built else None
@@ -168,8 +168,12 @@ class Runtime:
         return self.default_draft if name == AUTO_DRAFT else name
 
     def resolve(self, spec: SpecConfig) -> SpecConfig:
-        """`spec` with draft `auto` resolved (the tree shape kept)."""
-        return replace(spec, draft=self.resolve_draft(spec.draft))
+        """`spec` with draft `auto` resolved (the tree shape kept; on a target whose trees are not exact, a chain
+        of the same depth: engines.CachedEngine.exact_trees)."""
+        spec = replace(spec, draft=self.resolve_draft(spec.draft))
+        if self.engine.exact_trees:
+            return spec
+        return replace(spec, tree_width=1, tree_budget=min(spec.tree_budget, spec.tree_depth))
 
     def draft_engine(self, name: str):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""

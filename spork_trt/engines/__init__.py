@@ -140,6 +140,10 @@ class CachedEngine(ABC):
     cache: Rows | None = None
     # forward_batch pads every sequence to the longest ([B, T]): a batch costs B * T tokens, not their sum
     padded_batches: bool = True
+    # a tree's row computes, bit for bit, what the same row computes in a chain. False (a quantized target on ONNX
+    # Runtime: its int8 activations amplify the attention's summation order, which depends on where the row's
+    # ancestors sit): the runtime drafts chains only, which are exact (row_invariance.py)
+    exact_trees: bool = True
     taps: tuple[int, ...] = ()  # layers whose hidden states forward_batch can return (io_spec.HIDDEN)
 
     @abstractmethod
@@ -191,9 +195,11 @@ class CachedEngine(ABC):
         self.cache.truncate(length)
 
 
-def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> CachedEngine:
+def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+                target: bool = False) -> CachedEngine:
     """The engine for one manifest entry ({"path", "precision", "layers", ...}) of build folder `d`: a TensorRT plan
-    (.plan) or an ONNX graph on ONNX Runtime with `providers`."""
+    (.plan) or an ONNX graph on ONNX Runtime with `providers`. A quantized `target` on ONNX Runtime runs no forward
+    of one row and verifies chains only (row_invariance.py)."""
     path = d / entry["path"]
     if path.suffix == ".plan":
         from .trt_engine import TrtEngine
@@ -201,7 +207,11 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
         return TrtEngine(path, cfg, n_layers=entry["layers"])
     from .onnx_engine import OnnxEngine
 
-    return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers, taps=tuple(entry.get("taps", ())))
+    exact = not target or entry["precision"] == "fp32"
+    engine = OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers, taps=tuple(entry.get("taps", ())),
+                        min_rows=1 if exact else 2)
+    engine.exact_trees = exact
+    return engine
 
 
 def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:

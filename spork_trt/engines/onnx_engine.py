@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
 from . import CachedEngine, Padded, SeqInput
+from .row_invariance import forward_padded, pad_to_rows
 from .staging import Staging
 
 
@@ -51,7 +52,7 @@ SEQUENCE = -1  # kv_bindings key of the one-sequence path (stagings are keyed by
 class OnnxEngine(CachedEngine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
                  session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                 taps: tuple[int, ...] = ()) -> None:
+                 taps: tuple[int, ...] = (), min_rows: int = 1) -> None:
         import onnxruntime as ort
 
         self._cfg = cfg
@@ -75,6 +76,7 @@ class OnnxEngine(CachedEngine):
         if bool(self.taps) != (io_spec.HIDDEN in outs):
             raise UserError(f"{path} {'lacks' if self.taps else 'has'} the {io_spec.HIDDEN} output its manifest "
                             "entry says: rebuild the engines with `python -m export build`")
+        self.min_rows = min_rows  # 2: no forward runs the one-row kernels (row_invariance.py); 1: as asked
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
         self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers (GQA: [L, 1, Hkv, Smax, D])
         self.logits = np.zeros((max_new, cfg.vocab_size), dtype=np.float32)  # [Tmax, V]
@@ -100,7 +102,8 @@ class OnnxEngine(CachedEngine):
         return not self.gqa
 
     def fresh(self) -> OnnxEngine:
-        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps)
+        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps,
+                          min_rows=self.min_rows)
 
     def make_cache(self, max_len: int) -> Rows:
         return self.make_pool(1, max_len).caches[0]
@@ -116,7 +119,11 @@ class OnnxEngine(CachedEngine):
     def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
         """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), each
         layer's past rows of the whole batch from a Staging (P about the longest context; each sequence sees only its
-        own), new rows copied back into each sequence's cache. One sequence binds its rows in place (`forward`)."""
+        own), new rows copied back into each sequence's cache. One sequence binds its rows in place (`forward`).
+        With `min_rows` 2, a forward of one row gets a dummy row (row_invariance.py)."""
+        pad = pad_to_rows(seqs, self.min_rows)
+        if pad is not None:
+            return forward_padded(self.forward_batch, seqs, hidden, pad)
         if len(seqs) == 1:
             return super().forward_batch(seqs, hidden)
         self.check_hidden(hidden)
