@@ -172,7 +172,7 @@ class EngineCore:
             raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
                             f"(max_queue): retry later")
         r.stop = StopState(r.eos_ids, max_new, r.cfg.stop_strings, r.decode)
-        r.sched = Scheduler(r.spec, greedy=r.cfg.sampling.greedy, costs=self.costs,
+        r.sched = Scheduler(r.spec, greedy=r.cfg.greedy, costs=self.costs,
                             odds=self.odds.setdefault(r.spec.draft, {}))
         r.gen = make_generator(r.cfg.sampling.seed)
         r.t0 = time.perf_counter()
@@ -190,7 +190,7 @@ class EngineCore:
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
         # the switch decides (and learns from) only steps with a greedy request that would follow it
-        switched = any(r.drafter is not None and r.cfg.sampling.greedy for r in decoding)
+        switched = any(r.drafter is not None and r.cfg.greedy for r in decoding)
         t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
         drafts = self.propose(decoding, drafting)
         padded = self.engine.padded_batches
@@ -259,7 +259,7 @@ class EngineCore:
         """Each request's proposal. Model drafters (`proposing`) run together: each draft depth of every request is
         ONE batched forward of the draft engine (drafters.drive; its time shared among them); the others propose
         one by one."""
-        speculate = [(drafting or not r.cfg.sampling.greedy) and r.drafter is not None and r.sched.speculate()
+        speculate = [(drafting or not r.cfg.greedy) and r.drafter is not None and r.sched.speculate()
                      for r in reqs]
         trees, seconds = {}, {}
         for r, sp in zip(reqs, speculate):
@@ -274,14 +274,14 @@ class EngineCore:
         plans = []
         for r, sp in zip(reqs, speculate):
             gate = r.spec.gate_tau > 0
-            scoring = sp and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
+            scoring = sp and (r.cfg.greedy or gate) and r.sched.use_verifier(r.can_score)
             plans.append(Plan(trees[r] if sp else DraftTree.root_only(r.root), sp, scoring, seconds.get(r, 0.0)))
         return plans
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
         gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []
         survival = None if scored is None else scored.survival
-        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.sampling.greedy, survival)
+        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.greedy, survival)
         return Draft(p.proposed, scored, gated, cands, p.speculate, p.propose_s, score_s if scored else 0.0)
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
@@ -363,7 +363,7 @@ def wants_hidden(r: Request) -> bool:
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
     """logits [N, V] on the engine's device: greedy takes their argmax there (N ids cross to the host); sampling
     processes them there and walks the tree on the host (the drafts' proposals and `gen` live there)."""
-    if cfg.sampling.greedy:
+    if cfg.greedy:
         return verify_greedy(tree, children, logits)
     return verify_sampling(tree, children, processed_probs(logits, cfg.sampling).cpu(), gen)
 
