@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .admission import size_request
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
 from .draft_switch import DraftSwitch
 from .drafters import drive
 from .engines import SeqInput, chain_input
-from .errors import QueueFull, UserError
+from .errors import QueueFull
 from .kv_cache import KVPool
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
@@ -77,7 +78,7 @@ class Request:
     gen: torch.Generator | None = None
     slot: int | None = None
     target: object | None = None  # the target engine bound to the slot's cache
-    room: int = 0  # positions the request may use: prompt + new tokens + a tree
+    room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
     prefilled: int = 0  # prompt tokens run so far
     root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
     behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
@@ -132,20 +133,6 @@ class TreeWork:
     seq: SeqInput  # the forward's input: gate mode's behind tokens, then `tree`
 
 
-def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
-    """New tokens allowed: max_new_tokens, clipped to the context window. Validates the prompt length."""
-    if prompt_len == 0:
-        raise UserError("the prompt encodes to no tokens: pass some text")
-    if prompt_len >= context:
-        raise UserError(f"the prompt has {prompt_len} tokens but the context window is {context}: shorten it")
-    return min(cfg.max_new_tokens, context - prompt_len)
-
-
-def room(prompt_len: int, max_new: int, spec: SpecConfig) -> int:
-    """KV positions a request may need: its prompt, its new tokens, one step's tree and catch-up tokens."""
-    return prompt_len + max_new + spec.tree_budget + spec.tree_depth + 1
-
-
 class EngineCore:
     def __init__(self, engine, context: int, cfg: CoreConfig = CoreConfig()) -> None:
         self.engine, self.context, self.cfg = engine, context, cfg  # engine: stateless over the pool's slots
@@ -163,15 +150,12 @@ class EngineCore:
 
     def add(self, r: Request) -> Request:
         """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
-        max_new = budget(len(r.prompt_ids), r.cfg, self.context)
-        r.room = room(len(r.prompt_ids), max_new, r.spec)
-        if r.room > self.pool.max_len:
-            raise UserError(f"the request needs {r.room} KV positions (prompt {len(r.prompt_ids)} + max_tokens "
-                            f"{max_new} + a draft tree) and a slot holds {self.pool.max_len}: shorten it")
+        size = size_request(len(r.prompt_ids), r.cfg.max_new_tokens, r.spec, self.context, self.pool.max_len)
+        r.room = size.room
         if len(self.waiting) >= self.cfg.max_queue + len(self.pool.free):  # free slots take them at the next step
             raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
                             f"(max_queue): retry later")
-        r.stop = StopState(r.eos_ids, max_new, r.cfg.stop_strings, r.decode)
+        r.stop = StopState(r.eos_ids, size.max_new, r.cfg.stop_strings, r.decode)
         r.sched = Scheduler(r.spec, greedy=r.cfg.greedy, costs=self.costs,
                             odds=self.odds.setdefault(r.spec.draft, {}))
         r.gen = make_generator(r.cfg.sampling.seed)
