@@ -106,7 +106,7 @@ class GenerateConfig:
             raise FieldError("max_new_tokens", f"must be a positive number of tokens, got {self.max_new_tokens}")
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
-                raise FieldError("stop_strings", f"must be non-empty strings, got {s!r}")
+                raise FieldError("stop_strings", f"must be non-empty text, got {s!r}")
 
     @property
     def greedy(self) -> bool:

@@ -147,3 +147,10 @@ def test_a_bad_request_fails_alone_while_the_valid_ones_finish_with_their_plain_
         assert [t for c in r["chunks"] for t in c.output_ids[c.sent_len:]] == plain.token_ids
         assert text(runtime.tokenizer, r["chunks"]) == plain.text
     assert service.active == 0
+
+
+def test_an_empty_stop_string_is_refused_not_a_stop_after_one_token(capsys):
+    with pytest.raises(FieldError, match="^stop_strings must be non-empty text, got ''$"):
+        GenerateConfig(stop_strings=("\n", ""))
+    assert cli.main(["generate", "hi", "--stop", ""]) == 2
+    assert capsys.readouterr().err == "error: --stop must be non-empty text, got ''\n"
