@@ -153,10 +153,10 @@ def main(args) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
         raise UserError("--rounds takes a positive count, --modes two modes, one of them plain (e.g. spork,plain)")
+    cfg = request_config({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed},
+                         lambda f: f.flag)  # checked before the engines load
     rt = Runtime.from_engines(args.engines)
     spec = SpecConfig.for_draft(rt.resolve_draft(args.draft) if args.draft else rt.default_draft)
-    cfg = request_config({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed},
-                         lambda f: f.flag)
     prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
