@@ -36,8 +36,14 @@ from .tree import DraftTree, compile_tree
 from .verifier import Scored, ScoreJob, Verifier, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
 
-# sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
-Observe = Callable[[DraftTree, Scored | None, Verdict], None]
+
+@dataclass(frozen=True)
+class Verified:
+    """One target-verified step of a request that records them (calibration labels its nodes from these)."""
+
+    tree: DraftTree  # the proposal
+    scored: Scored | None  # the verifier's scores, None when it did not score
+    verdict: Verdict  # over `tree`
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class GenerationResult:
     stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled"
     stats: Stats
     text: str | None = None  # set when a decode function was given
+    verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
 
 
 @dataclass(eq=False)
@@ -68,11 +75,12 @@ class Request:
     drafter: object | None = None  # drafters.Drafter; None: plain decoding
     verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
     decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
-    observe: Observe | None = None  # sees every verified step (calibration)
+    record: bool = False  # keep every verified step in `verified` (calibration)
     cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
     # ---- the core's
     stats: Stats = field(default_factory=Stats)  # filled in as the request runs
     outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
+    verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
     stop: StopState | None = None
     sched: Scheduler | None = None
     gen: torch.Generator | None = None
@@ -97,7 +105,7 @@ class Request:
     def result(self) -> GenerationResult:
         reason = "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
         text = self.stop.text() if self.decode and self.stop.reason else None
-        return GenerationResult(list(self.stop.tokens), reason, self.stats, text)
+        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
 
 
 @dataclass(frozen=True)
@@ -300,8 +308,8 @@ class EngineCore:
         verify_s += time.perf_counter() - t
         r.stats.add_times(d.propose_s, d.score_s, verify_s, d.scored is not None)
         if not d.gated:
-            if r.observe is not None:
-                r.observe(d.proposed, d.scored, verdict.renumber(keep))
+            if r.record:
+                r.verified.append(Verified(d.proposed, d.scored, verdict.renumber(keep)))
             r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
                            d.score_s if d.scored is not None else None, d.proposed)
         r.root = verdict.bonus

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .config import GenerateConfig, SpecConfig
 from .admission import size_request
-from .core import CoreConfig, EngineCore, GenerationResult, Observe, Request
+from .core import CoreConfig, EngineCore, GenerationResult, Request
 from .stats import Stats
 from .verifier import Verifier
 
@@ -19,10 +19,10 @@ __all__ = ["GenerationResult", "OnTokens", "generate", "run_alone", "run_many"]
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
              decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
              drafter=None, spec: SpecConfig = SpecConfig(), stats: Stats | None = None,
-             verifier: Verifier | None = None, observe: Observe | None = None) -> GenerationResult:
+             verifier: Verifier | None = None, record: bool = False) -> GenerationResult:
     """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it).
-    `verifier` scores draft nodes (pruning; gate mode needs it); `observe` sees every verified step."""
-    r = Request(list(prompt_ids), cfg, eos_ids, spec, drafter, verifier, decode, observe, stats=stats or Stats())
+    `verifier` scores draft nodes (pruning; gate mode needs it); `record`: the result keeps every verified step."""
+    r = Request(list(prompt_ids), cfg, eos_ids, spec, drafter, verifier, decode, record, stats=stats or Stats())
     return run_alone(target, r, on_tokens)
 
 
