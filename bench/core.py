@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.admission import size_request
+from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import UserError
-from spork_trt.core import room
 from spork_trt.generate import run_many
+from spork_trt.io_spec import request_config
 
 from .prompts import git_sha, levels_arg, load_prompts
 
@@ -133,7 +134,7 @@ class Run:
 def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: GenerateConfig, spec) -> Run:
     engine = TimedEngine(rt.engine)
     reqs = [rt.request(p, cfg, mode, spec) for p in ids]
-    max_len = max(room(len(p), cfg.max_new_tokens, spec) for p in ids)
+    max_len = max(size_request(len(p), cfg.max_new_tokens, spec, rt.cfg.max_seq_len).room for p in ids)
     t = time.perf_counter()
     for _ in run_many(engine, reqs, slots=clients, max_len=max_len):
         pass
@@ -152,10 +153,10 @@ def main(args) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if args.rounds < 1 or len(modes) != 2 or "plain" not in modes:
         raise UserError("--rounds takes a positive count, --modes two modes, one of them plain (e.g. spork,plain)")
+    cfg = request_config({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed},
+                         lambda f: f.flag)  # checked before the engines load
     rt = Runtime.from_engines(args.engines)
     spec = SpecConfig.for_draft(rt.resolve_draft(args.draft) if args.draft else rt.default_draft)
-    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens,
-                         sampling=SamplingConfig(temperature=args.temperature, seed=args.seed))
     prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from .serve import tree_rss_mb
 LENGTHS = (8, 24)
 PROTOCOLS = (("grpc", True), ("grpc", False), ("http", False), ("generate", False), ("generate", True))
 BAD = (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 2.0}, "top_p"),
+       ({"temperature": 1e-38}, "temperature"),  # overflowed to NaN in the step, failing the batch, before the edge
        ({"spec_mode": "warp"}, "spec_mode"), ({"max_tokens": 100_000}, "max_tokens"))
 
 

@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from spork_trt.config import GenerateConfig, SamplingConfig
+from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
+from spork_trt.io_spec import request_config
 from spork_trt.runtime import Runtime
 
 from .arms import parse_arm
@@ -64,11 +65,11 @@ def main(a) -> int:
     from tqdm import tqdm
 
     arm = parse_arm(a.arm)
+    cfg = request_config({"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "seed": a.seed},
+                         lambda f: f.flag)  # checked before any model loads
     backend, tokenizer, run = make_runner(arm, a)
     k, rounds = shard(a.shard)
     rows = load_prompts(a.prompts, a.limit)[k::rounds]
-    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=SamplingConfig(temperature=a.temperature,
-                                                                                  seed=a.seed))
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
               "arm": arm.name, "backend": backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
               "temperature": a.temperature, "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}

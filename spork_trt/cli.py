@@ -5,8 +5,9 @@ import argparse
 import json
 import sys
 
-from .config import AUTO_DRAFT, DEVICE_DTYPES, DRAFT_HELP, GenerateConfig, SamplingConfig, SpecConfig
+from .config import AUTO_DRAFT, DEVICE_DTYPES, DRAFT_HELP, GenerateConfig, SpecConfig
 from .errors import UserError
+from .io_spec import REQUEST_FIELDS, request_config
 
 GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "What is speculative decoding?"
@@ -65,13 +66,12 @@ def build_parser() -> Parser:
                    help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")
-    g.add_argument("--max-new-tokens", type=int, default=GenerateConfig.max_new_tokens, help="default: %(default)s")
-    g.add_argument("--temperature", type=float, default=SamplingConfig.temperature,
-                   help="0 means greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=SamplingConfig.top_p, help="nucleus mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=SamplingConfig.top_k, help="0 disables top-k")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    for f in REQUEST_FIELDS:  # the request's settings: names, limits and defaults from io_spec and the configs
+        if f.field == "stop_strings":
+            g.add_argument(f.flag, dest=f.field, action="append", metavar="STR", help=f.help)
+        else:
+            g.add_argument(f.flag, dest=f.field, type=f.kind, default=None,
+                           help=f.help + ("" if f.default is None else f" (default: {f.default})"))
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     from .serving_cli import add_serving_commands
@@ -81,18 +81,12 @@ def build_parser() -> Parser:
 
 
 def generate_config(a: argparse.Namespace) -> GenerateConfig:
-    if a.max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens must be positive, got {a.max_new_tokens}")
-    if a.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 means greedy), got {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 disables it), got {a.top_k}")
+    """The request's config, validated by the config itself; an error names the flag."""
     if not a.prompt.strip():
         raise UserError("the prompt is empty: pass some text to generate from")
-    sampling = SamplingConfig(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    return GenerateConfig(max_new_tokens=a.max_new_tokens, sampling=sampling, stop_strings=tuple(a.stop))
+    values = {f.field: getattr(a, f.field) for f in REQUEST_FIELDS}
+    values["stop_strings"] = tuple(a.stop_strings or ())
+    return request_config(values, lambda f: f.flag)
 
 
 def spec_config(a: argparse.Namespace) -> SpecConfig:

@@ -1,7 +1,11 @@
 """Frozen configuration dataclasses. Each default is written once, here; the CLI builds these and hands them over."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+from .errors import FieldError
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,45 @@ class ModelConfig:
         assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
 
 
+# The lowest temperature but 0 (greedy). Sampling divides fp32 logits by it: at 1e-38 a logit of 4 overflows to inf
+# and softmax gives NaN (the step raised, failing every request in flight); at 0.01 a logit must pass 3.4e36, which no
+# model's does. Nothing lower is worth having: at 0.01 a runner-up 0.1 below the top logit is drawn e^-10 as often.
+MIN_TEMPERATURE = 0.01
+# seeds are 64-bit (torch's generator, Triton's UINT64 seed); a request's drafter draws with seed + 1, which must fit too
+SEED_LIMIT = 2**64 - 1
+
+
+def _number(field: str, value, integer: bool = False) -> None:
+    """A request field must be a real number (an integer where `integer`); bool is not one."""
+    if isinstance(value, bool) or not isinstance(value, Integral if integer else Real):
+        raise FieldError(field, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is chosen. temperature 0 means greedy."""
+    """How the next token is chosen. temperature 0 means greedy. Validated here, so every front end (CLI, Triton,
+    bench) that builds one refuses the same values with the same message."""
 
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0 (greedy) or in [MIN_TEMPERATURE, inf)
     top_k: int = 0  # 0 disables top-k
-    top_p: float = 1.0  # 1.0 disables nucleus sampling
-    seed: int | None = None
+    top_p: float = 1.0  # in (0, 1]; 1.0 disables nucleus sampling
+    seed: int | None = None  # in [0, SEED_LIMIT); None: a random one
+
+    def __post_init__(self) -> None:
+        _number("temperature", self.temperature)
+        if not (self.temperature == 0 or (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE)):
+            raise FieldError("temperature", f"must be >= {MIN_TEMPERATURE} and finite, or 0 for greedy, "
+                                            f"got {self.temperature}")
+        _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _number("top_k", self.top_k, integer=True)
+        if self.top_k < 0:
+            raise FieldError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None:
+            _number("seed", self.seed, integer=True)
+            if not 0 <= self.seed < SEED_LIMIT:
+                raise FieldError("seed", f"must be in [0, 2**64 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -59,11 +94,24 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """One generation request."""
+    """One generation request (validated here, as SamplingConfig)."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # >= 1; the engine core clips it to the context window
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _number("max_new_tokens", self.max_new_tokens, integer=True)
+        if self.max_new_tokens < 1:
+            raise FieldError("max_new_tokens", f"must be a positive number of tokens, got {self.max_new_tokens}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise FieldError("stop_strings", f"must be non-empty text, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """The one definition of a greedy request: its sampling's temperature is 0."""
+        return self.sampling.greedy
 
 
 # quantized copies of the target (export/quantize.py says how each is made); `self-Q` drafts with copy Q
@@ -107,6 +155,11 @@ class SpecConfig:
     tau: float = 0.1  # starting pruning threshold on path survival (adapts toward target_acceptance)
     target_acceptance: float = 0.7  # acceptance rate of verified draft nodes that tau steers toward
     gate_tau: float = 0.0  # > 0: lossy gate mode, the verifier alone accepts paths this confident
+
+    @property
+    def tree_room(self) -> int:
+        """KV positions one step needs past the committed tokens: the tree's nodes, catch-up tokens, the root."""
+        return self.tree_budget + self.tree_depth + 1
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,

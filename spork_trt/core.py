@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .admission import size_request
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
 from .draft_switch import DraftSwitch
 from .drafters import drive
 from .engines import SeqInput, chain_input
-from .errors import QueueFull, UserError
+from .errors import QueueFull
 from .kv_cache import KVPool
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
@@ -35,8 +36,14 @@ from .tree import DraftTree, compile_tree
 from .verifier import Scored, ScoreJob, Verifier, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
 
-# sees every target-verified step: (the proposed tree, the verifier's scores or None, the verdict over the tree)
-Observe = Callable[[DraftTree, Scored | None, Verdict], None]
+
+@dataclass(frozen=True)
+class Verified:
+    """One target-verified step of a request that records them (calibration labels its nodes from these)."""
+
+    tree: DraftTree  # the proposal
+    scored: Scored | None  # the verifier's scores, None when it did not score
+    verdict: Verdict  # over `tree`
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class GenerationResult:
     stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled"
     stats: Stats
     text: str | None = None  # set when a decode function was given
+    verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
 
 
 @dataclass(eq=False)
@@ -67,17 +75,18 @@ class Request:
     drafter: object | None = None  # drafters.Drafter; None: plain decoding
     verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
     decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
-    observe: Observe | None = None  # sees every verified step (calibration)
+    record: bool = False  # keep every verified step in `verified` (calibration)
     cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
     # ---- the core's
     stats: Stats = field(default_factory=Stats)  # filled in as the request runs
     outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
+    verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
     stop: StopState | None = None
     sched: Scheduler | None = None
     gen: torch.Generator | None = None
     slot: int | None = None
     target: object | None = None  # the target engine bound to the slot's cache
-    room: int = 0  # positions the request may use: prompt + new tokens + a tree
+    room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
     prefilled: int = 0  # prompt tokens run so far
     root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
     behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
@@ -96,7 +105,7 @@ class Request:
     def result(self) -> GenerationResult:
         reason = "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
         text = self.stop.text() if self.decode and self.stop.reason else None
-        return GenerationResult(list(self.stop.tokens), reason, self.stats, text)
+        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
 
 
 @dataclass(frozen=True)
@@ -132,20 +141,6 @@ class TreeWork:
     seq: SeqInput  # the forward's input: gate mode's behind tokens, then `tree`
 
 
-def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
-    """New tokens allowed: max_new_tokens, clipped to the context window. Validates the prompt length."""
-    if prompt_len == 0:
-        raise UserError("the prompt encodes to no tokens: pass some text")
-    if prompt_len >= context:
-        raise UserError(f"the prompt has {prompt_len} tokens but the context window is {context}: shorten it")
-    return min(cfg.max_new_tokens, context - prompt_len)
-
-
-def room(prompt_len: int, max_new: int, spec: SpecConfig) -> int:
-    """KV positions a request may need: its prompt, its new tokens, one step's tree and catch-up tokens."""
-    return prompt_len + max_new + spec.tree_budget + spec.tree_depth + 1
-
-
 class EngineCore:
     def __init__(self, engine, context: int, cfg: CoreConfig = CoreConfig()) -> None:
         self.engine, self.context, self.cfg = engine, context, cfg  # engine: stateless over the pool's slots
@@ -163,16 +158,13 @@ class EngineCore:
 
     def add(self, r: Request) -> Request:
         """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
-        max_new = budget(len(r.prompt_ids), r.cfg, self.context)
-        r.room = room(len(r.prompt_ids), max_new, r.spec)
-        if r.room > self.pool.max_len:
-            raise UserError(f"the request needs {r.room} KV positions (prompt {len(r.prompt_ids)} + max_tokens "
-                            f"{max_new} + a draft tree) and a slot holds {self.pool.max_len}: shorten it")
+        size = size_request(len(r.prompt_ids), r.cfg.max_new_tokens, r.spec, self.context, self.pool.max_len)
+        r.room = size.room
         if len(self.waiting) >= self.cfg.max_queue + len(self.pool.free):  # free slots take them at the next step
             raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
                             f"(max_queue): retry later")
-        r.stop = StopState(r.eos_ids, max_new, r.cfg.stop_strings, r.decode)
-        r.sched = Scheduler(r.spec, greedy=r.cfg.sampling.greedy, costs=self.costs,
+        r.stop = StopState(r.eos_ids, size.max_new, r.cfg.stop_strings, r.decode)
+        r.sched = Scheduler(r.spec, greedy=r.cfg.greedy, costs=self.costs,
                             odds=self.odds.setdefault(r.spec.draft, {}))
         r.gen = make_generator(r.cfg.sampling.seed)
         r.t0 = time.perf_counter()
@@ -190,7 +182,7 @@ class EngineCore:
         decoding = [r for r in self.active if r.root is not None]
         prefilling = [r for r in self.active if r.root is None]
         # the switch decides (and learns from) only steps with a greedy request that would follow it
-        switched = any(r.drafter is not None and r.cfg.sampling.greedy for r in decoding)
+        switched = any(r.drafter is not None and r.cfg.greedy for r in decoding)
         t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
         drafts = self.propose(decoding, drafting)
         padded = self.engine.padded_batches
@@ -259,7 +251,7 @@ class EngineCore:
         """Each request's proposal. Model drafters (`proposing`) run together: each draft depth of every request is
         ONE batched forward of the draft engine (drafters.drive; its time shared among them); the others propose
         one by one."""
-        speculate = [(drafting or not r.cfg.sampling.greedy) and r.drafter is not None and r.sched.speculate()
+        speculate = [(drafting or not r.cfg.greedy) and r.drafter is not None and r.sched.speculate()
                      for r in reqs]
         trees, seconds = {}, {}
         for r, sp in zip(reqs, speculate):
@@ -274,14 +266,14 @@ class EngineCore:
         plans = []
         for r, sp in zip(reqs, speculate):
             gate = r.spec.gate_tau > 0
-            scoring = sp and (r.cfg.sampling.greedy or gate) and r.sched.use_verifier(r.can_score)
+            scoring = sp and (r.cfg.greedy or gate) and r.sched.use_verifier(r.can_score)
             plans.append(Plan(trees[r] if sp else DraftTree.root_only(r.root), sp, scoring, seconds.get(r, 0.0)))
         return plans
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
         gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []
         survival = None if scored is None else scored.survival
-        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.sampling.greedy, survival)
+        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.greedy, survival)
         return Draft(p.proposed, scored, gated, cands, p.speculate, p.propose_s, score_s if scored else 0.0)
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
@@ -316,8 +308,8 @@ class EngineCore:
         verify_s += time.perf_counter() - t
         r.stats.add_times(d.propose_s, d.score_s, verify_s, d.scored is not None)
         if not d.gated:
-            if r.observe is not None:
-                r.observe(d.proposed, d.scored, verdict.renumber(keep))
+            if r.record:
+                r.verified.append(Verified(d.proposed, d.scored, verdict.renumber(keep)))
             r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
                            d.score_s if d.scored is not None else None, d.proposed)
         r.root = verdict.bonus
@@ -363,7 +355,7 @@ def wants_hidden(r: Request) -> bool:
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
     """logits [N, V] on the engine's device: greedy takes their argmax there (N ids cross to the host); sampling
     processes them there and walks the tree on the host (the drafts' proposals and `gen` live there)."""
-    if cfg.sampling.greedy:
+    if cfg.greedy:
         return verify_greedy(tree, children, logits)
     return verify_sampling(tree, children, processed_probs(logits, cfg.sampling).cpu(), gen)
 

@@ -1,8 +1,23 @@
 """The one exception type for bad user input: the CLI prints its message on one line and exits 2."""
+from __future__ import annotations
+
 
 
 class UserError(Exception):
     """Something the user can fix; the message says what is wrong and how to fix it."""
+
+
+class FieldError(UserError):
+    """A bad value of one request field. The message starts with the field's name, which every front end spells its
+    own way (io_spec.REQUEST_FIELDS: the config field, the Triton tensor, the CLI flag): `named` is the same message
+    under another spelling."""
+
+    def __init__(self, field: str, rest: str, name: str | None = None) -> None:
+        self.field, self.rest = field, rest  # rest: the message after the name ("must be ..., got ...")
+        super().__init__(f"{name or field} {rest}")
+
+    def named(self, name: str) -> FieldError:
+        return FieldError(self.field, self.rest, name)
 
 
 class QueueFull(Exception):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from .config import GenerateConfig, SpecConfig
-from .core import CoreConfig, EngineCore, GenerationResult, Observe, Request, budget, room
+from .admission import size_request
+from .core import CoreConfig, EngineCore, GenerationResult, Request
 from .stats import Stats
 from .verifier import Verifier
 
@@ -18,10 +19,10 @@ __all__ = ["GenerationResult", "OnTokens", "generate", "run_alone", "run_many"]
 def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozenset[int],
              decode: Callable[[list[int]], str] | None = None, on_tokens: OnTokens | None = None,
              drafter=None, spec: SpecConfig = SpecConfig(), stats: Stats | None = None,
-             verifier: Verifier | None = None, observe: Observe | None = None) -> GenerationResult:
+             verifier: Verifier | None = None, record: bool = False) -> GenerationResult:
     """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it).
-    `verifier` scores draft nodes (pruning; gate mode needs it); `observe` sees every verified step."""
-    r = Request(list(prompt_ids), cfg, eos_ids, spec, drafter, verifier, decode, observe, stats=stats or Stats())
+    `verifier` scores draft nodes (pruning; gate mode needs it); `record`: the result keeps every verified step."""
+    r = Request(list(prompt_ids), cfg, eos_ids, spec, drafter, verifier, decode, record, stats=stats or Stats())
     return run_alone(target, r, on_tokens)
 
 
@@ -29,7 +30,7 @@ def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> Generati
     """Run one request on a one-slot core sized for it; stream its tokens to `on_tokens` after each step. The
     prompt runs in chunks of CoreConfig.prefill_tokens, as in a batch: logits of at most that many rows exist."""
     context = target.cfg.max_seq_len
-    max_len = room(len(r.prompt_ids), budget(len(r.prompt_ids), r.cfg, context), r.spec)
+    max_len = size_request(len(r.prompt_ids), r.cfg.max_new_tokens, r.spec, context).room
     core = EngineCore(target, context, CoreConfig(slots=1, max_len=max_len))
     core.add(r)
     while not r.finished:

@@ -17,11 +17,13 @@ Two attention layouts (`attention`), chosen at export:
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import GenerateConfig, ModelConfig, SamplingConfig
+from .errors import FieldError
 
 # symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T;
 # GQA: of the N packed tokens), packed tokens N (GQA: every sequence's new tokens, one after another)
@@ -141,15 +143,63 @@ class TritonTensor:
 # optional only so that preprocessing answers a request without it with a 400 naming it (Triton's own refusal of a
 # missing required input reaches the HTTP generate endpoint as a 200 with an unrelated error)
 TEXT_INPUT = TritonTensor("text_input", "STRING", (1,), optional=True)
+MAX_TOKENS = TritonTensor("max_tokens", "INT32", (1,), optional=True)
+TEMPERATURE = TritonTensor("temperature", "FP32", (1,), optional=True)  # 0 (the default) means greedy
+TOP_P = TritonTensor("top_p", "FP32", (1,), optional=True)
+TOP_K = TritonTensor("top_k", "INT32", (1,), optional=True)
+SEED = TritonTensor("seed", "UINT64", (1,), optional=True)
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
-    TritonTensor("max_tokens", "INT32", (1,), optional=True),
-    TritonTensor("temperature", "FP32", (1,), optional=True),  # 0 (the default) means greedy
-    TritonTensor("top_p", "FP32", (1,), optional=True),
-    TritonTensor("top_k", "INT32", (1,), optional=True),
-    TritonTensor("seed", "UINT64", (1,), optional=True),
+    MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED,
     TritonTensor("stream", "BOOL", (1,), optional=True),
     TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
 )
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One request setting as every front end spells it (DESIGN 8.17): its config field (GenerateConfig's or its
+    SamplingConfig's; the limits and the default live there), its Triton tensor, its `generate` flag."""
+
+    field: str
+    tensor: TritonTensor | None  # None: not served
+    flag: str  # `python -m spork_trt generate`'s
+    kind: type  # what a value converts to
+    help: str
+
+    @property
+    def client_flag(self) -> str:
+        """`client` and `demo` flags are named after the tensors they send."""
+        return "--" + self.tensor.name.replace("_", "-")
+
+    @property
+    def default(self):
+        return getattr(GenerateConfig if self.field in GENERATE_FIELDS else SamplingConfig, self.field)
+
+
+GENERATE_FIELDS = ("max_new_tokens", "stop_strings")
+REQUEST_FIELDS = (
+    RequestField("max_new_tokens", MAX_TOKENS, "--max-new-tokens", int, "most new tokens"),
+    RequestField("temperature", TEMPERATURE, "--temperature", float, "0 means greedy, else at least 0.01"),
+    RequestField("top_p", TOP_P, "--top-p", float, "nucleus mass in (0, 1]"),
+    RequestField("top_k", TOP_K, "--top-k", int, "0 disables top-k"),
+    RequestField("seed", SEED, "--seed", int, "sampling seed in [0, 2**64 - 1) (default: random)"),
+    RequestField("stop_strings", None, "--stop", str, "stop string (repeatable)"),
+)
+FIELDS = {f.field: f for f in REQUEST_FIELDS}
+
+
+def request_config(values: Mapping[str, object], name: Callable[[RequestField], str]) -> GenerateConfig:
+    """The one way a front end builds a request's config: `values` by config field (absent or None: the default);
+    a bad one raises the config's error with the field spelled as this front end spells it (`name`)."""
+    given = {k: v for k, v in values.items() if v is not None}
+    assert set(given) <= set(FIELDS), set(given) - set(FIELDS)
+    try:
+        sampling = SamplingConfig(**{k: v for k, v in given.items() if k not in GENERATE_FIELDS})
+        return GenerateConfig(**{k: v for k, v in given.items() if k in GENERATE_FIELDS}, sampling=sampling)
+    except FieldError as e:
+        raise e.named(name(FIELDS[e.field])) from None
+
+
 STATS_OUTPUTS = (  # from the spork step straight to the client, in every response
     TritonTensor("acceptance_rate", "FP32", (1,)),
     TritonTensor("total_accepted_draft_tokens", "INT32", (1,)),

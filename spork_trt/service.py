@@ -11,16 +11,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from . import io_spec
+from .admission import size_request
 from .config import AUTO_DRAFT, GenerateConfig, SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore, Request
 from .cost_model import ema
-from .errors import QueueFull, UserError
+from .errors import FieldError, QueueFull, UserError
+from .io_spec import REQUEST_FIELDS, request_config
 from .runtime import Runtime
 from .stats import Stats
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
@@ -78,44 +80,47 @@ def scalar(inputs: Inputs, name: str, kind: type, default):
     value = arr.reshape(-1)[0]
     if kind is str:
         return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    if kind is float:  # the shortest decimal of the FP32 value, as the client wrote it (the same value in fp32)
+        return float(str(value))
     return kind(value)
 
 
-def parse_request(inputs: Inputs, context: int, can_stream: bool = True) -> ServeRequest:
-    """Validate the spork step's inputs once; every error names the field and the fix."""
-    ids = inputs["input_ids"]
-    prompt_ids = [int(i) for i in np.asarray(ids).reshape(-1)]
-    if not prompt_ids:
-        raise UserError("text_input encodes to no tokens: send some text")
-    room = context - len(prompt_ids)
-    if room <= 0:
-        raise UserError(f"text_input has {len(prompt_ids)} tokens but the context window is {context}: shorten it")
-    max_tokens = scalar(inputs, "max_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = min(GenerateConfig.max_new_tokens, room)  # the default, clipped to what fits
-    if max_tokens <= 0:
-        raise UserError(f"max_tokens must be a positive number of tokens, got {max_tokens}")
-    if max_tokens > room:
-        raise UserError(f"max_tokens {max_tokens} is beyond the context: the prompt has {len(prompt_ids)} tokens "
-                        f"and the context window is {context}, so at most {room} new tokens fit")
-    temperature = scalar(inputs, "temperature", float, SamplingConfig.temperature)
-    if not temperature >= 0:
-        raise UserError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    top_p = scalar(inputs, "top_p", float, SamplingConfig.top_p)
-    if not 0 < top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1], got {top_p}")
-    top_k = scalar(inputs, "top_k", int, SamplingConfig.top_k)
-    if top_k < 0:
-        raise UserError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    seed = scalar(inputs, "seed", int, None)
+# the request's fields as the served models spell them: the tensors (the prompt arrives as text_input)
+TENSOR_NAMES = {"prompt": io_spec.TEXT_INPUT.name} | {f.field: f.tensor.name for f in REQUEST_FIELDS if f.tensor}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a served request must fit."""
+
+    context: int  # positions a request may use: prompt + new tokens (its slot keeps one step's tree besides)
+    vocab_size: int  # prompt ids are in [0, vocab_size)
+    spec: SpecConfig = SpecConfig()
+
+
+def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> ServeRequest:
+    """Validate the spork step's inputs once, before the request is queued: the configs check their own fields,
+    admission.size_request the lengths; every error names the tensor and the fix."""
+    ids = np.asarray(inputs[io_spec.PROMPT_IDS.name]).reshape(-1)  # [n]
+    bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
+    if bad.size:  # the ensemble's preprocessing never sends these; a client calling `spork` directly might
+        raise UserError(f"input_ids must be token ids in [0, {limits.vocab_size}), got {ids[bad[0]]} at position "
+                        f"{bad[0]}")
+    prompt_ids = [int(i) for i in ids]
+    values = {f.field: scalar(inputs, f.tensor.name, f.kind, None) for f in REQUEST_FIELDS if f.tensor}
+    cfg = request_config(values, lambda f: TENSOR_NAMES[f.field])
+    try:  # an absent max_tokens is the default clipped to what fits; one sent must fit
+        size = size_request(len(prompt_ids), cfg.max_new_tokens, limits.spec, limits.context,
+                            clip=values["max_new_tokens"] is None)
+    except FieldError as e:
+        raise e.named(TENSOR_NAMES[e.field]) from None
     mode = scalar(inputs, "spec_mode", str, "spork")
     if mode not in SERVED_MODES:
         raise UserError(f"unknown spec_mode {mode!r}: use one of {', '.join(SERVED_MODES)}")
     stream = bool(scalar(inputs, "stream", bool, False))
     if stream and not can_stream:
         raise UserError("stream=true needs the streaming model `ensemble`; `ensemble_unary` answers once")
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return ServeRequest(prompt_ids, GenerateConfig(max_new_tokens=max_tokens, sampling=sampling), mode, stream)
+    return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream)
 
 
 def encode_text(tok: Tokenizer, text_input: np.ndarray | None) -> np.ndarray:
@@ -226,9 +231,10 @@ class Service:
         self.runtime, self.spec = runtime, spec
         # the context a request may use: the model's window, or less when the slots are smaller (they also keep
         # room for one step's tree)
-        self.context = min(runtime.cfg.max_seq_len, core.max_len - (spec.tree_budget + spec.tree_depth + 1))
+        self.context = min(runtime.cfg.max_seq_len, core.max_len - spec.tree_room)
         if self.context < 2:
             raise UserError(f"KV slots of {core.max_len} positions leave no room for a request: raise max_len")
+        self.limits = Limits(self.context, runtime.cfg.vocab_size, spec)
         self.core = EngineCore(runtime.engine, self.context, core)
         self.metrics = Metrics()
         self._inbox: list[Ticket] = []  # submitted, not yet handed to the core (the loop thread owns the core)
@@ -263,7 +269,7 @@ class Service:
         """Queue one request; its answers go to `send` (one chunk, or a stream ending with a final one) or `fail`.
         Raises UserError for bad input and QueueFull when every slot is taken and the queue is full, before any
         work."""
-        req = parse_request(inputs, self.context, can_stream)
+        req = parse_request(inputs, self.limits, can_stream)
         request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
         ticket = Ticket(request, req.stream, send, fail, close, cancelled)
         with self._wake:

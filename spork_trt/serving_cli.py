@@ -115,11 +115,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def client_config(a: argparse.Namespace, **over):
     from .client import ClientConfig
+    from .io_spec import REQUEST_FIELDS, request_config
 
-    if a.max_tokens <= 0:
-        raise UserError(f"--max-tokens must be positive, got {a.max_tokens}")
-    if a.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 means greedy), got {a.temperature}")
+    # checked here as the server checks them (the same configs), before anything starts; flags spelled as tensors
+    request_config({f.field: getattr(a, f.tensor.name) for f in REQUEST_FIELDS if f.tensor}, lambda f: f.client_flag)
     fields = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
               "seed": a.seed, "spec_mode": a.mode}
     fields.update(over)

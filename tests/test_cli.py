@@ -14,7 +14,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive number of tokens"),
     (["generate", "hi", "--temperature", "-0.5"], "--temperature must be >= 0"),
     (["generate", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from spork_trt.errors import UserError
-from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Service, decode_chunk, encode_text, parse_request
+from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, decode_chunk, encode_text, parse_request
 from spork_trt.tokenizer import text_delta
 
 CONTEXT = 64
+LIMITS = Limits(CONTEXT, vocab_size=96)
 IDS = np.array([[5, 6, 7, 8]], np.int32)  # [1, n]
 
 
@@ -33,18 +34,18 @@ def one(value, dtype):
 ])
 def test_bad_request_names_the_field(field, value, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        parse_request({"input_ids": IDS, field: value}, CONTEXT)
+        parse_request({"input_ids": IDS, field: value}, LIMITS)
 
 
 def test_defaults_and_limits():
-    req = parse_request({"input_ids": IDS}, CONTEXT)
+    req = parse_request({"input_ids": IDS}, LIMITS)
     assert req.mode == "spork" and not req.stream and req.cfg.sampling.greedy and req.prompt_ids == [5, 6, 7, 8]
     assert req.cfg.max_new_tokens == CONTEXT - 4  # the default, clipped to the context
-    assert parse_request({"input_ids": IDS, "max_tokens": one(60, np.int32)}, CONTEXT).cfg.max_new_tokens == 60
+    assert parse_request({"input_ids": IDS, "max_tokens": one(60, np.int32)}, LIMITS).cfg.max_new_tokens == 60
     with pytest.raises(UserError, match="text_input has 4 tokens but the context window is 4"):
-        parse_request({"input_ids": IDS}, 4)
+        parse_request({"input_ids": IDS}, Limits(4, 96))
     with pytest.raises(UserError, match="stream=true needs the streaming model"):
-        parse_request({"input_ids": IDS, "stream": one(True, np.bool_)}, CONTEXT, can_stream=False)
+        parse_request({"input_ids": IDS, "stream": one(True, np.bool_)}, LIMITS, can_stream=False)
 
 
 @pytest.mark.slow

@@ -39,10 +39,10 @@ def argmax_head(layers: int) -> ConfidenceHead:
     return head({"is_top": 20.0}, -10.0, layers)
 
 
-def run(target, prompt, n, drafter=None, spec=SpecConfig(), verifier=None, observe=None):
+def run(target, prompt, n, drafter=None, spec=SpecConfig(), verifier=None, record=False):
     cfg = GenerateConfig(max_new_tokens=n, sampling=GREEDY)
     return generate(TorchEngine(target), prompt, cfg, frozenset(), drafter=drafter, spec=spec, verifier=verifier,
-                    observe=observe)
+                    record=record)
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5]
@@ -201,17 +201,15 @@ def test_observed_labels_count_every_accepted_token_once(target):
     """Calibration's labelling: each node whose parent was accepted is one example; the accepted ones are exactly
     the accepted draft tokens."""
     seen = {"pos": 0, "n": 0}
-
-    def observe(tree, scored, verdict):
-        on_path = set(verdict.path)
-        for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                seen["n"] += 1
-                seen["pos"] += i in on_path
-
     spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=10, adaptive=False, verifier="on")
     got = run(target, PROMPTS[2], 60, NgramDrafter(4), spec, Verifier(TorchEngine(target, exit_layer=1), None),
-              observe)
+              record=True)
+    for step in got.verified:
+        on_path = set(step.verdict.path)
+        for i in range(1, len(step.tree)):
+            if step.tree.parents[i] in on_path:
+                seen["n"] += 1
+                seen["pos"] += i in on_path
     assert seen["pos"] == got.stats.accepted_tokens > 0 and seen["n"] > seen["pos"]
 
 

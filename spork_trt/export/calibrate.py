@@ -88,21 +88,20 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
             return NodeSet(z["x"], z["y"], z["depth"], len(rows))
     xs, ys, ds = [], [], []
 
-    def observe(tree, scored, verdict):
-        if scored is None:
-            return  # a plain step (recovery): nothing drafted
-        on_path = set(verdict.path)
-        for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                xs.append(scored.features[i])
-                ys.append(float(i in on_path))
-                ds.append(scored.depth[i])
-
     gen_cfg = GenerateConfig(max_new_tokens=cfg.max_new_tokens)
     for r in tqdm(rows, desc=f"calibrate {prompts}", file=sys.stderr, leave=False):
         ids = rt.tokenizer.encode_prompt(r["prompt"])
-        generate(rt.engine, ids, gen_cfg, rt.tokenizer.eos_ids, drafter=rt.drafter(cfg.draft, gen_cfg.sampling),
-                 spec=spec, verifier=verifier, observe=observe)
+        out = generate(rt.engine, ids, gen_cfg, rt.tokenizer.eos_ids,
+                       drafter=rt.drafter(cfg.draft, gen_cfg.sampling), spec=spec, verifier=verifier, record=True)
+        for step in out.verified:
+            if step.scored is None:
+                continue  # a plain step (recovery): nothing drafted
+            on_path = set(step.verdict.path)
+            for i in range(1, len(step.tree)):
+                if step.tree.parents[i] in on_path:
+                    xs.append(step.scored.features[i])
+                    ys.append(float(i in on_path))
+                    ds.append(step.scored.depth[i])
     if not ys:
         raise UserError(f"the {cfg.draft} drafter proposed nothing on {prompts}: calibrate with more prompts")
     nodes = NodeSet(np.array(xs), np.array(ys), np.array(ds), len(rows))
