@@ -227,7 +227,7 @@ def train_draft(a) -> int:
 
 
 def pack(a) -> int:
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
     from spork_trt.export.artifacts import ARTIFACTS, pack
 
     out = Path(a.out) if a.out else ARTIFACTS / Path(mf.read(Path(a.engines))["source"]["path"]).stem.lower()
@@ -267,7 +267,7 @@ def triton(a) -> int:
 
 
 def inspect(a) -> int:
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
 
     d = Path(a.engines)
     m = mf.read(d)

@@ -55,7 +55,7 @@ def test_self_data_is_the_targets_own_text_deterministic_and_resumable(default_e
 def test_self_data_from_a_checkpoint_on_torch_is_the_same_greedy_text(default_engines, tmp_path):
     """`--model` (the path `--device cuda` takes, on the torch engine here): the answers are the target's greedy
     text, as the ONNX build writes it, and the recipe names the checkpoint's sha256 and the device."""
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
     from spork_trt.runtime import Runtime
 
     m = mf.read(default_engines)

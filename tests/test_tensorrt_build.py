@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from spork_trt import io_spec
-from spork_trt.engines.trt_engine import align_rows
+from spork_trt.engines.trt_engine import align_rows, require_tensorrt
 from spork_trt.errors import UserError
-from spork_trt.export.tensorrt import TrtBuildConfig, build_plan, profile_shapes, qdq_nodes, require_tensorrt
+from spork_trt.export.tensorrt import TrtBuildConfig, build_plan, profile_shapes, qdq_nodes
 from tests.conftest import tiny_config
 
 # the embedded default's shapes (SmolLM2-135M: 30 layers, 3 KV heads of 64) and the tests' tiny model; no weights

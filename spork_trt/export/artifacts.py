@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import manifest as mf
 from ..datastore import SEP, Datastore, join
 from ..errors import UserError
-from . import manifest as mf
 from .selfdata import ANSWERS, COUNTS, RECIPE, read_jsonl
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

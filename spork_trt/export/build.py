@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from .. import io_spec
+from .. import manifest as mf
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
-from . import manifest as mf
 from . import tensorrt as trt_build
 from .artifacts import build_store, head_source, store_source, text_file
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx

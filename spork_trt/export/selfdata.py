@@ -274,7 +274,7 @@ def runtime(cfg: SelfDataConfig):
     with a --model or on a GPU, the checkpoint on torch (the device engine with CUDA graphs on cuda)."""
     from ..runtime import Runtime
     from ..weights import default_gguf_path
-    from . import manifest as mf
+    from .. import manifest as mf
 
     if cfg.model is None and cfg.device == "cpu":
         return Runtime.from_engines(cfg.engines, load_head=False), mf.read(cfg.engines)["source"]["sha256"]

@@ -141,7 +141,7 @@ def data_folder(data: Path, ck) -> Path:
     """`--data`: a folder, or "shipped": the corpus that ships for the target checkpoint (its sha256)."""
     if str(data) != "shipped":
         return data
-    from . import manifest as mf
+    from .. import manifest as mf
 
     found = artifacts.shipped(mf.checkpoint_sha256(ck.path)) if ck is not None else None
     if found is None:

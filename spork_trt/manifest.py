@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import UserError
+from .config import ModelConfig, RopeScaling
+from .errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -39,7 +39,7 @@ def tool_versions() -> dict[str, str]:
     import onnxruntime
     import torch
 
-    from .. import __version__
+    from . import __version__
 
     return {"spork_trt": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__}
