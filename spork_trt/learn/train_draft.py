@@ -27,7 +27,7 @@ import torch
 
 from ..draft_head import DraftHead, HeadConfig, load_head
 from ..errors import UserError
-from . import artifacts
+from ..export import artifacts
 from .head_data import Features, batches, by_length, draft_vocab, extract, heldout, stage
 from .head_eval import evaluate
 from .unroll import Teacher, unroll
