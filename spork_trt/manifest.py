@@ -87,6 +87,13 @@ def verify_artifacts(engines: Path, manifest: dict) -> None:
             raise UserError(f"{p} is missing or does not match its manifest hash: rebuild with --force")
 
 
+def engine_backend(entry: dict) -> str:
+    """The backend that runs one engine of a build (engines.LOADERS' key): the entry's `backend`. Builds made before
+    entries recorded it ran every graph on ONNX Runtime but the plans of `--backend tensorrt`, the entries with a
+    TensorRT profile."""
+    return entry.get("backend") or ("tensorrt" if "profile" in entry else "onnx")
+
+
 def weights(m: dict, entry: dict) -> dict:
     """The artifact record ({"sha256", "bytes"}) holding an engine's weights: its external data file when the graph
     has one (ONNX), else the file itself (a TensorRT plan)."""

@@ -105,4 +105,5 @@ def test_a_manifest_plan_entry_loads_through_tensorrt(tmp_path):
     from spork_trt.engines import load_engine
 
     with pytest.raises(UserError, match="`tensorrt` Python package"):
-        load_engine(tmp_path, {"path": "target.plan", "precision": "fp32", "layers": 2}, SHAPES["tiny"])
+        load_engine(tmp_path, {"path": "target.plan", "backend": "tensorrt", "precision": "fp32", "layers": 2},
+                    SHAPES["tiny"])

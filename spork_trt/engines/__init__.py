@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
+from ..manifest import engine_backend
 
 
 @dataclass(frozen=True)
@@ -191,17 +193,32 @@ class CachedEngine(ABC):
         self.cache.truncate(length)
 
 
-def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> CachedEngine:
-    """The engine for one manifest entry ({"path", "precision", "layers", ...}) of build folder `d`: a TensorRT plan
-    (.plan) or an ONNX graph on ONNX Runtime with `providers`."""
-    path = d / entry["path"]
-    if path.suffix == ".plan":
-        from .trt_engine import TrtEngine
-
-        return TrtEngine(path, cfg, n_layers=entry["layers"])
+def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...]) -> CachedEngine:
+    """An ONNX graph on ONNX Runtime with `providers`."""
     from .onnx_engine import OnnxEngine
 
     return OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers, taps=tuple(entry.get("taps", ())))
+
+
+def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...]) -> CachedEngine:
+    """A TensorRT plan (`providers`, ONNX Runtime's, do not apply)."""
+    from .trt_engine import TrtEngine
+
+    return TrtEngine(path, cfg, n_layers=entry["layers"])
+
+
+# a build's backend (its manifest entry's, manifest.engine_backend) -> (folder's file, entry, cfg, providers) -> engine
+LOADERS: dict[str, Callable[..., CachedEngine]] = {"onnx": onnx_loader, "tensorrt": tensorrt_loader}
+
+
+def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> CachedEngine:
+    """The engine for one manifest entry ({"path", "backend", "precision", "layers", ...}) of build folder `d`, by
+    the backend its manifest names."""
+    backend = engine_backend(entry)
+    if backend not in LOADERS:
+        raise UserError(f"{d / entry['path']} is built for backend {backend!r}, this runtime runs "
+                        f"{', '.join(LOADERS)}: rebuild with `python -m export build --force`")
+    return LOADERS[backend](d / entry["path"], entry, cfg, providers)
 
 
 def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:
