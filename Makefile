@@ -37,4 +37,4 @@ bench-peers: setup
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps onnxruntime-genai==0.18.0
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .grimp_cache .import_linter_cache

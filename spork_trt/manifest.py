@@ -1,4 +1,5 @@
-"""engines/<name>/manifest.json: what was built, from what, with which tools; runtimes refuse a mismatch."""
+"""engines/<name>/manifest.json: what was built, from what, with which tools, each engine's backend; the build
+writes it, the runtime reads it and refuses a mismatch. It stands under both (config and errors only)."""
 from __future__ import annotations
 
 import hashlib
