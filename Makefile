@@ -16,7 +16,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+# the layers first (pyproject.toml's import-linter contracts): a wrong import fails in seconds, before the tests
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 # the main job: build the default engines (reused when up to date), render the Triton repository, start Triton,
@@ -35,4 +37,4 @@ bench-peers: setup
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps onnxruntime-genai==0.18.0
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .grimp_cache .import_linter_cache

@@ -15,7 +15,7 @@ import torch
 from spork_trt.config import GenerateConfig
 from spork_trt.engines import forward_chain, prefill
 from spork_trt.errors import UserError
-from spork_trt.export import manifest as mf
+from spork_trt import manifest as mf
 from spork_trt.runtime import Runtime
 
 from .costs import median_ms

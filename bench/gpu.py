@@ -25,7 +25,7 @@ from spork_trt.drafters import NgramDrafter, StoreDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.device_engine import DeviceEngine
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.export import manifest as mf
+from spork_trt import manifest as mf
 from spork_trt.export.artifacts import load_corpus, shipped
 from spork_trt.generate import generate, run_many
 from spork_trt.prompts import load_prompts

@@ -86,7 +86,7 @@ def main(args) -> int:
     arms = [run_engine("spork_trt torch plain", TorchEngine(ck.model), prompts, args.max_new_tokens)]
     if args.engines:
         from spork_trt.engines import load_engine
-        from spork_trt.export import manifest as mf
+        from spork_trt import manifest as mf
 
         m = mf.read(Path(args.engines))
         target = load_engine(Path(args.engines), m["engines"]["target"], ck.cfg)

@@ -144,7 +144,7 @@ def shapes(text: str) -> list[tuple[int, int, int] | None]:
 
 
 def main(a) -> int:
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
     from spork_trt.tokenizer import load_tokenizer
 
     bad = [d for d in a.drafts if d not in DRAFTS]

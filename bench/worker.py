@@ -34,7 +34,7 @@ def make_runner(arm, a):
         raise UserError("peer arms are timed greedy only: use --temperature 0")
     source, cache = a.model, Path(".cache/peers")
     if a.engines:
-        from spork_trt.export import manifest as mf
+        from spork_trt import manifest as mf
 
         source = mf.read(Path(a.engines))["source"]["path"]  # the checkpoint the engines were built from
         cache = Path(a.engines) / "peers"

@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     add_k8s_command(sub)
     c = sub.add_parser("calibrate", help="fit the verifier's confidence head on real target verdicts",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from spork_trt.export.calibrate import CalibrateConfig
+    from spork_trt.learn.calibrate import CalibrateConfig
 
     c.add_argument("--engines", default=str(CalibrateConfig.engines), help="a build folder (default: %(default)s)")
     c.add_argument("--prompts", default=CalibrateConfig.prompts,
@@ -130,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
                    help="draft depth while collecting (default: the drafter's own; deeper labels more depths)")
     c.add_argument("--plot", default=None, help="reliability diagram PNG (default: ENGINES/calibration/...)")
     c.add_argument("--json", action="store_true", help='print {"per_depth": [...], "heldout": ...}')
-    from spork_trt.export.selfdata import SelfDataConfig as D
+    from spork_trt.learn.selfdata import SelfDataConfig as D
 
     s = sub.add_parser("self-data", help="the target's own answers to prompts it writes itself and to standard-"
                        "library functions: training data of the learned drafts (resumable)", epilog=EXAMPLES,
@@ -160,7 +160,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--data", default=str(D.out), help="a finished self-data folder (default: %(default)s)")
     k.add_argument("--out", default=None, help="default: spork_trt/artifacts/<the engines' model name>")
     k.add_argument("--engines", default=str(D.engines), help="the build the data came from (default: %(default)s)")
-    from spork_trt.export.train_draft import TrainConfig as T
+    from spork_trt.learn.train_draft import TrainConfig as T
 
     r = sub.add_parser("train-draft", help="train the draft head (one decoder layer over the target's hidden "
                        "states) on a self-data run; resumable", epilog=EXAMPLES,
@@ -207,7 +207,7 @@ def parse_taps(text: str) -> tuple[int, ...]:
 
 
 def convert_head(a) -> int:
-    from spork_trt.export.convert_head import convert, default_taps
+    from spork_trt.learn.convert_head import convert, default_taps
 
     taps = parse_taps(a.taps)
     if not taps:
@@ -219,7 +219,7 @@ def convert_head(a) -> int:
 
 
 def train_draft(a) -> int:
-    from spork_trt.export.train_draft import TrainConfig, train_draft
+    from spork_trt.learn.train_draft import TrainConfig, train_draft
 
     meta = train_draft(TrainConfig(Path(a.data), Path(a.out), a.model, parse_taps(a.taps), a.vocab, a.steps,
                                    a.epochs, a.lr, a.batch, limit=a.limit, device=a.device, seed=a.seed,
@@ -229,7 +229,7 @@ def train_draft(a) -> int:
 
 
 def pack(a) -> int:
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
     from spork_trt.export.artifacts import ARTIFACTS, pack
 
     out = Path(a.out) if a.out else ARTIFACTS / Path(mf.read(Path(a.engines))["source"]["path"]).stem.lower()
@@ -238,7 +238,7 @@ def pack(a) -> int:
 
 
 def self_data(a) -> int:
-    from spork_trt.export.selfdata import SelfDataConfig, self_data
+    from spork_trt.learn.selfdata import SelfDataConfig, self_data
 
     recipe = self_data(SelfDataConfig(engines=Path(a.engines), out=Path(a.out), magpie=a.magpie, stdlib=a.stdlib,
                                       openers=a.openers, max_new_tokens=a.max_new_tokens, slots=a.slots,
@@ -248,7 +248,7 @@ def self_data(a) -> int:
 
 
 def calibrate(a) -> int:
-    from spork_trt.export.calibrate import CalibrateConfig, calibrate, table
+    from spork_trt.learn.calibrate import CalibrateConfig, calibrate, table
 
     if any(v is not None and v <= 0 for v in (a.limit, a.max_new_tokens, a.tree_depth)):
         raise UserError("--limit, --max-new-tokens and --tree-depth must be positive")
@@ -269,7 +269,7 @@ def triton(a) -> int:
 
 
 def inspect(a) -> int:
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
 
     d = Path(a.engines)
     m = mf.read(d)

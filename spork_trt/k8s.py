@@ -87,7 +87,7 @@ def served(engines: Path) -> Served:
 def memory_request(cfg: K8sConfig) -> int:
     """Bytes a pod needs, estimated from the build and its repository: every artifact loaded once per spork
     instance, plus each instance's fp32 KV pool (slots x rows x layers x K and V), plus the server's own share."""
-    from .export import manifest as mf
+    from . import manifest as mf
 
     m, s = mf.read(cfg.engines), served(cfg.engines)
     model = mf.spec_config(m["model"])

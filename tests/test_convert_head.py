@@ -15,7 +15,7 @@ from spork_trt.draft_head import load_head
 from spork_trt.eagle import EagleDrafter, lookup
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
-from spork_trt.export.convert_head import convert
+from spork_trt.learn.convert_head import convert
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
 from spork_trt.weights import random_checkpoint

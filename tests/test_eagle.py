@@ -16,7 +16,7 @@ from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.export.onnx_graph import export_onnx
-from spork_trt.export.train_draft import TrainConfig, train_draft
+from spork_trt.learn.train_draft import TrainConfig, train_draft
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
 from spork_trt.weights import random_checkpoint

@@ -53,6 +53,36 @@ def test_graph_follows_io_spec(tiny, plain, attention):
             assert dims == list(spec.dims), (vi.name, dims, spec.dims)
 
 
+def test_the_manifest_backend_chooses_the_engine_not_the_file_name(tiny, tmp_path):
+    """load_engine goes by the entry's backend (engines.LOADERS), never by the file's suffix: an ONNX graph named
+    *.plan runs on ONNX Runtime, the same as the torch engine; entries of builds made before entries recorded their
+    backend keep theirs; an unknown backend is refused naming the fix."""
+    import shutil
+
+    from spork_trt.engines import load_engine
+    from spork_trt.errors import UserError
+    from spork_trt.manifest import engine_backend
+
+    model, target = tiny[:2]
+    for p in target.parent.glob(target.name + "*"):  # the graph and its external data, which it names
+        shutil.copyfile(p, tmp_path / p.name)
+    (tmp_path / target.name).rename(tmp_path / "target.plan")
+    eng = load_engine(tmp_path, {"path": "target.plan", "backend": "onnx", "precision": "fp32", "layers": 3},
+                      model.cfg)
+    assert isinstance(eng, OnnxEngine)
+    eng.reset(16)
+    ids = torch.tensor([[1, 2, 3]])
+    got = eng.forward(ids, torch.arange(3)[None], causal_mask(0, 3))
+    ref = TorchEngine(model)
+    ref.reset(16)
+    torch.testing.assert_close(got, ref.forward(ids, torch.arange(3)[None], causal_mask(0, 3)), atol=1e-4,
+                               rtol=1e-4)
+    assert engine_backend({"path": "target.plan", "precision": "fp32", "profile": {}}) == "tensorrt"
+    assert engine_backend({"path": "draft_int8.onnx", "precision": "int8"}) == "onnx"
+    with pytest.raises(UserError, match="backend 'vulkan'.*rebuild"):
+        load_engine(tmp_path, {"path": "target.plan", "backend": "vulkan", "layers": 3}, model.cfg)
+
+
 def test_a_graph_exported_by_an_older_version_is_refused(tiny):
     """A lean-3 GroupQueryAttention graph (tokens padded, no padded_rows / packed_rows inputs) is refused in one
     line naming the fix, not run with inputs it does not have."""

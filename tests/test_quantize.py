@@ -91,7 +91,7 @@ def test_quantized_draft_is_lossless(tiny, q):
 
 def test_calibration_prompts_are_stdlib_functions_never_benchmark_text():
     from spork_trt.export.calib_data import CALIB_PROMPTS, calibration_prompts
-    from spork_trt.export.selfdata import CODE_PREFIX
+    from spork_trt.export.code_prompts import CODE_PREFIX
     from spork_trt.prompts import load_prompts
 
     got = calibration_prompts()

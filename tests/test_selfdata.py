@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from spork_trt.config import GenerateConfig
-from spork_trt.export.selfdata import user_turn_prefix
+from spork_trt.learn.selfdata import user_turn_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def test_self_data_is_the_targets_own_text_deterministic_and_resumable(default_e
 def test_self_data_from_a_checkpoint_on_torch_is_the_same_greedy_text(default_engines, tmp_path):
     """`--model` (the path `--device cuda` takes, on the torch engine here): the answers are the target's greedy
     text, as the ONNX build writes it, and the recipe names the checkpoint's sha256 and the device."""
-    from spork_trt.export import manifest as mf
+    from spork_trt import manifest as mf
     from spork_trt.runtime import Runtime
 
     m = mf.read(default_engines)
@@ -81,7 +81,7 @@ def test_opener_prompts_begin_with_their_verb_and_extend_a_run_in_order(default_
     count extends the run (only the new prompt answered, its answer appended last), recipe.json lists both runs, and
     the packed corpus' manifest reproduces them in that order."""
     from spork_trt.export.artifacts import CORPUS, MANIFEST, pack
-    from spork_trt.export.selfdata import OPENERS
+    from spork_trt.learn.selfdata import OPENERS
 
     def run(openers: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "export", "self-data", "--engines", str(default_engines),

@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from spork_trt import io_spec
-from spork_trt.engines.trt_engine import align_rows
+from spork_trt.engines.trt_engine import align_rows, require_tensorrt
 from spork_trt.errors import UserError
-from spork_trt.export.tensorrt import TrtBuildConfig, build_plan, profile_shapes, qdq_nodes, require_tensorrt
+from spork_trt.export.tensorrt import TrtBuildConfig, build_plan, profile_shapes, qdq_nodes
 from tests.conftest import tiny_config
 
 # the embedded default's shapes (SmolLM2-135M: 30 layers, 3 KV heads of 64) and the tests' tiny model; no weights
@@ -105,4 +105,5 @@ def test_a_manifest_plan_entry_loads_through_tensorrt(tmp_path):
     from spork_trt.engines import load_engine
 
     with pytest.raises(UserError, match="`tensorrt` Python package"):
-        load_engine(tmp_path, {"path": "target.plan", "precision": "fp32", "layers": 2}, SHAPES["tiny"])
+        load_engine(tmp_path, {"path": "target.plan", "backend": "tensorrt", "precision": "fp32", "layers": 2},
+                    SHAPES["tiny"])

@@ -10,8 +10,8 @@ import torch
 
 from spork_trt.draft_head import load_head
 from spork_trt.errors import UserError
-from spork_trt.export.train_draft import TrainConfig, train_draft
-from spork_trt.export.unroll import step_mask
+from spork_trt.learn.train_draft import TrainConfig, train_draft
+from spork_trt.learn.unroll import step_mask
 from spork_trt.weights import random_checkpoint
 from tests.conftest import tiny_config, write_selfdata
 
@@ -52,7 +52,7 @@ def test_head_trains_saves_and_resumes(target, data, tmp_path):
 
 
 def test_feature_extraction_resumes_where_it_stopped(target, tmp_path):
-    from spork_trt.export.head_data import extract
+    from spork_trt.learn.head_data import extract
 
     seqs = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
     full = extract(target, seqs, (1, 3), tmp_path / "full")
@@ -80,7 +80,7 @@ def test_agreement_on_unseen_answers_scores_as_training_scores_its_held_out_text
     import json
 
     from bench.head_agreement import head_rows
-    from spork_trt.export.head_data import heldout
+    from spork_trt.learn.head_data import heldout
 
     meta = train_draft(TrainConfig(data=data, out=tmp_path / "head", vocab=40, steps=3, epochs=1, lr=1e-2, seed=2),
                        target)
@@ -140,8 +140,8 @@ def test_soft_labels_are_the_targets_own_next_token_distribution(target, data, t
     trains; soft needs the last layer tapped last."""
     import numpy as np
 
-    from spork_trt.export.head_data import extract
-    from spork_trt.export.unroll import Teacher
+    from spork_trt.learn.head_data import extract
+    from spork_trt.learn.unroll import Teacher
     from spork_trt.model import causal_mask
 
     seq = [3, 9, 14, 2, 30, 7]

@@ -12,7 +12,7 @@ from spork_trt.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines import prefill
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
-from spork_trt.export.calibrate import auroc, ece, ece_floor
+from spork_trt.learn.calibrate import auroc, ece, ece_floor
 from spork_trt.generate import generate
 from spork_trt.quant import int8_copy
 from spork_trt.scheduler import FIRST_PROBE, PROBE_EVERY, Scheduler

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
+from ..manifest import engine_backend
 
 
 @dataclass(frozen=True)
@@ -195,16 +197,9 @@ class CachedEngine(ABC):
         self.cache.truncate(length)
 
 
-def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                target: bool = False) -> CachedEngine:
-    """The engine for one manifest entry ({"path", "precision", "layers", ...}) of build folder `d`: a TensorRT plan
-    (.plan) or an ONNX graph on ONNX Runtime with `providers`. A quantized `target` on ONNX Runtime runs no forward
-    of one row and verifies chains only (row_invariance.py)."""
-    path = d / entry["path"]
-    if path.suffix == ".plan":
-        from .trt_engine import TrtEngine
-
-        return TrtEngine(path, cfg, n_layers=entry["layers"])
+def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> CachedEngine:
+    """An ONNX graph on ONNX Runtime with `providers`. A quantized `target` runs no forward of one row and verifies
+    chains only (row_invariance.py)."""
     from .onnx_engine import OnnxEngine
 
     exact = not target or entry["precision"] == "fp32"
@@ -212,6 +207,28 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
                         min_rows=1 if exact else 2)
     engine.exact_trees = exact
     return engine
+
+
+def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> CachedEngine:
+    """A TensorRT plan (`providers`, ONNX Runtime's, do not apply)."""
+    from .trt_engine import TrtEngine
+
+    return TrtEngine(path, cfg, n_layers=entry["layers"])
+
+
+# a build's backend (its manifest entry's, manifest.engine_backend) -> (file, entry, cfg, providers, target) -> engine
+LOADERS: dict[str, Callable[..., CachedEngine]] = {"onnx": onnx_loader, "tensorrt": tensorrt_loader}
+
+
+def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",),
+                target: bool = False) -> CachedEngine:
+    """The engine for one manifest entry ({"path", "backend", "precision", "layers", ...}) of build folder `d`, by
+    the backend its manifest names (`target`: the entry is the build's target)."""
+    backend = engine_backend(entry)
+    if backend not in LOADERS:
+        raise UserError(f"{d / entry['path']} is built for backend {backend!r}, this runtime runs "
+                        f"{', '.join(LOADERS)}: rebuild with `python -m export build --force`")
+    return LOADERS[backend](d / entry["path"], entry, cfg, providers, target)
 
 
 def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """TensorRT engine: same interface as the torch and ONNX Runtime engines, over a plan built by export/tensorrt.py.
+`require_tensorrt` is what a host needs to run one (and so to build one: the build asks the same).
 
 The KV cache lives on the GPU in preallocated torch buffers [L, 1, Smax, Hkv, D] (a kv_cache.Rows, as for ONNX
 Runtime). Each forward binds every layer's past rows in place (a contiguous prefix of the layer's buffer) and points
@@ -9,7 +10,9 @@ after the past rows (T rows per layer: still independent of the context length).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +21,38 @@ import torch
 from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
-from ..export.tensorrt import REBUILD, require_tensorrt
 from ..kv_cache import KVPool, Rows
 from . import CachedEngine
 
+MIN_MAJOR = 10  # name-based tensor API, INT64 I/O, no implicit batch
+REBUILD = "python -m export build --backend tensorrt --force"
 ALIGN = 256  # bytes: IExecutionContext::setTensorAddress wants at least this alignment (TensorRT 10 and 11 headers)
 TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT8": torch.int8,
                 "UINT8": torch.uint8, "INT32": torch.int32, "INT64": torch.int64, "BOOL": torch.bool}
+
+
+def require_tensorrt():
+    """The `tensorrt` module, or a UserError saying what this host lacks."""
+    if importlib.util.find_spec("tensorrt") is None:
+        raise UserError("--backend tensorrt needs the `tensorrt` Python package (10 or newer) and an NVIDIA GPU; "
+                        "tensorrt is not installed here: pip install tensorrt on a GPU host, or use --backend onnx")
+    if not has_cuda_device():
+        raise UserError("--backend tensorrt needs an NVIDIA GPU and none is visible here (torch.cuda and nvidia-smi "
+                        "find none): use --backend onnx")
+    import tensorrt as trt
+
+    if trt_major(trt) < MIN_MAJOR:
+        raise UserError(f"--backend tensorrt needs TensorRT {MIN_MAJOR} or newer, found {trt.__version__}: "
+                        "pip install -U tensorrt")
+    return trt
+
+
+def has_cuda_device() -> bool:
+    return torch.cuda.is_available() or shutil.which("nvidia-smi") is not None
+
+
+def trt_major(trt) -> int:
+    return int(trt.__version__.split(".")[0])
 
 
 def align_rows(row_bytes: int) -> int:

@@ -14,15 +14,30 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import manifest as mf
 from ..datastore import SEP, Datastore, join
 from ..errors import UserError
-from . import manifest as mf
-from .selfdata import ANSWERS, COUNTS, RECIPE, read_jsonl
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CORPUS, MANIFEST = "corpus.npz", "manifest.json"
+ANSWERS, RECIPE = "answers.jsonl", "recipe.json"  # a self-data folder's (learn/selfdata.py) answers and recipe
+COUNTS = {"magpie": "magpie", "stdlib": "stdlib", "openers": "opener"}  # count setting -> its source; a rerun may
+# raise a count to extend a run
 SELF_DATA = ("python -m export self-data --magpie {magpie} --stdlib {stdlib}{openers} --max-new-tokens {tokens} "
              "--seed {seed}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file that a run appends to (none when it is absent)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interrupted run: redone
+            break
+    return rows
 
 
 def shipped(source_sha256: str, root: Path = ARTIFACTS) -> Path | None:

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from .. import io_spec
+from .. import manifest as mf
 from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
 from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
-from . import manifest as mf
 from . import tensorrt as trt_build
 from .artifacts import build_store, head_source, store_source, text_file
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx
@@ -137,15 +137,18 @@ def build(cfg: BuildConfig) -> Path:
 
     if onnx_target:
         quantized(cfg.precision, out / "target.onnx")
-    engines["target"] = {"path": "target.onnx", "precision": cfg.precision if cfg.backend == "onnx" else "fp32",
-                         "layers": n_layers, "taps": list(taps)}
+    engines["target"] = {"path": "target.onnx", "backend": "onnx",
+                         "precision": cfg.precision if cfg.backend == "onnx" else "fp32", "layers": n_layers,
+                         "taps": list(taps)}
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
     export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers, attention=attention)
-    engines["verifier"] = {"path": "verifier.onnx", "precision": "fp32", "layers": cfg.verifier_layers}
+    engines["verifier"] = {"path": "verifier.onnx", "backend": "onnx", "precision": "fp32",
+                           "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
         q = draft.removeprefix("self-")
         name = quantized(q, out / ("draft_" + q.replace("-", "_") + ".onnx")).name
-        engines[draft] = {"path": name, "precision": q, "layers": n_layers, "taps": list(taps)}  # from fp32
+        engines[draft] = {"path": name, "backend": "onnx", "precision": q, "layers": n_layers,
+                          "taps": list(taps)}  # from fp32
     if trt_cfg is not None:
         engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
     for stale in (out / TOKENS, out / SUFFIXES):
@@ -221,10 +224,10 @@ def build_plans(out: Path, fp32: Path, trt_cfg: trt_build.TrtBuildConfig, model_
     v_cfg = replace(trt_cfg, precision="fp32", strongly_typed=False)
     trt_build.build_plan(out / "verifier.onnx", out / "verifier.plan", v_cfg, model_cfg, verifier_layers)
     ctx = model_cfg.max_seq_len
-    return {"target": {"path": "target.plan", "onnx": graph.name, "layers": model_cfg.n_layers,
-                       **trt_cfg.record(ctx)},
-            "verifier": {"path": "verifier.plan", "onnx": "verifier.onnx", "layers": verifier_layers,
-                         **v_cfg.record(ctx)}}
+    return {"target": {"path": "target.plan", "backend": "tensorrt", "onnx": graph.name,
+                       "layers": model_cfg.n_layers, **trt_cfg.record(ctx)},
+            "verifier": {"path": "verifier.plan", "backend": "tensorrt", "onnx": "verifier.onnx",
+                         "layers": verifier_layers, **v_cfg.record(ctx)}}
 
 
 def trt_tools() -> dict:

@@ -14,6 +14,7 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..model import causal_mask
 from ..tokenizer import Tokenizer
+from .code_prompts import stdlib_candidates
 
 CALIB_PROMPTS = 16  # stdlib function prompts
 CALIB_WINDOW = 64  # tokens per feed
@@ -22,8 +23,6 @@ CALIB_CHARS = 1500  # longest prompt taken, in characters
 
 
 def calibration_prompts(n: int = CALIB_PROMPTS) -> list[str]:
-    from .selfdata import stdlib_candidates
-
     return [f["prompt"] for f in stdlib_candidates(CALIB_SEED) if len(f["prompt"]) <= CALIB_CHARS][:n]
 
 

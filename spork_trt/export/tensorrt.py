@@ -2,8 +2,9 @@
 one optimisation profile derived from io_spec's symbolic dims.
 
 TensorRT needs an NVIDIA GPU and the `tensorrt` package (10 or newer); the CPU machines this project is developed and
-tested on have neither, so `require_tensorrt()` stops there with one line (exit code 2). What does not touch TensorRT
-(`TrtBuildConfig.limits`, `profile_shapes`, `qdq_nodes`) is tested on CPU.
+tested on have neither, so `require_tensorrt()` (engines/trt_engine.py: the runtime's check, which the build asks too) stops there with one
+line (exit code 2). What does not touch TensorRT (`TrtBuildConfig.limits`, `profile_shapes`, `qdq_nodes`) is tested on
+CPU.
 
 TensorRT 10 -> 11, as handled here (NVIDIA's 10.x-to-11.x migration guide and the Python bindings of both):
 - networks are explicit batch since 10.0: EXPLICIT_BATCH is ignored in 10 and removed in 11, so it is never passed;
@@ -14,20 +15,17 @@ TensorRT 10 -> 11, as handled here (NVIDIA's 10.x-to-11.x migration guide and th
 """
 from __future__ import annotations
 
-import importlib.util
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import io_spec
 from ..config import ModelConfig
+from ..engines.trt_engine import require_tensorrt
 from ..errors import UserError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8-static", "fp8")
 QDQ_PRECISIONS = ("int8-static", "fp8")  # built from the Q/DQ graphs export/quantize.py makes (the same names)
 WEAK_FLAGS = {"fp16": "FP16", "bf16": "BF16"}  # BuilderFlag names; TensorRT 10 only
-MIN_MAJOR = 10  # name-based tensor API, INT64 I/O, no implicit batch
-REBUILD = "python -m export build --backend tensorrt --force"
 
 Shape = tuple[int, ...]
 Limits = dict[str, tuple[int, int, int]]  # symbolic dim -> (min, opt, max)
@@ -80,32 +78,6 @@ def profile_shapes(specs: list[io_spec.TensorSpec], limits: Limits) -> dict[str,
         assert not unknown, (s.name, unknown)
     return {s.name: tuple(tuple(limits[d][i] if isinstance(d, str) else d for d in s.dims) for i in range(3))
             for s in specs}
-
-
-def require_tensorrt():
-    """The `tensorrt` module, or a UserError saying what this host lacks."""
-    if importlib.util.find_spec("tensorrt") is None:
-        raise UserError("--backend tensorrt needs the `tensorrt` Python package (10 or newer) and an NVIDIA GPU; "
-                        "tensorrt is not installed here: pip install tensorrt on a GPU host, or use --backend onnx")
-    if not has_cuda_device():
-        raise UserError("--backend tensorrt needs an NVIDIA GPU and none is visible here (torch.cuda and nvidia-smi "
-                        "find none): use --backend onnx")
-    import tensorrt as trt
-
-    if trt_major(trt) < MIN_MAJOR:
-        raise UserError(f"--backend tensorrt needs TensorRT {MIN_MAJOR} or newer, found {trt.__version__}: "
-                        "pip install -U tensorrt")
-    return trt
-
-
-def has_cuda_device() -> bool:
-    import torch
-
-    return torch.cuda.is_available() or shutil.which("nvidia-smi") is not None
-
-
-def trt_major(trt) -> int:
-    return int(trt.__version__.split(".")[0])
 
 
 def qdq_nodes(onnx_path: Path) -> int:

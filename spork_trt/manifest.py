@@ -1,4 +1,5 @@
-"""engines/<name>/manifest.json: what was built, from what, with which tools; runtimes refuse a mismatch."""
+"""engines/<name>/manifest.json: what was built, from what, with which tools, each engine's backend; the build
+writes it, the runtime reads it and refuses a mismatch. It stands under both (config and errors only)."""
 from __future__ import annotations
 
 import hashlib
@@ -6,8 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import UserError
+from .config import ModelConfig, RopeScaling
+from .errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -39,7 +40,7 @@ def tool_versions() -> dict[str, str]:
     import onnxruntime
     import torch
 
-    from .. import __version__
+    from . import __version__
 
     return {"spork_trt": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__}
@@ -85,6 +86,13 @@ def verify_artifacts(engines: Path, manifest: dict) -> None:
         p = engines / name
         if not p.is_file() or sha256(p) != entry["sha256"]:
             raise UserError(f"{p} is missing or does not match its manifest hash: rebuild with --force")
+
+
+def engine_backend(entry: dict) -> str:
+    """The backend that runs one engine of a build (engines.LOADERS' key): the entry's `backend`. Builds made before
+    entries recorded it ran every graph on ONNX Runtime but the plans of `--backend tensorrt`, the entries with a
+    TensorRT profile."""
+    return entry.get("backend") or ("tensorrt" if "profile" in entry else "onnx")
 
 
 def weights(m: dict, entry: dict) -> dict:

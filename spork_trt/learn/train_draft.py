@@ -27,7 +27,7 @@ import torch
 
 from ..draft_head import DraftHead, HeadConfig, load_head
 from ..errors import UserError
-from . import artifacts
+from ..export import artifacts
 from .head_data import Features, batches, by_length, draft_vocab, extract, heldout, stage
 from .head_eval import evaluate
 from .unroll import Teacher, unroll
@@ -141,7 +141,7 @@ def data_folder(data: Path, ck) -> Path:
     """`--data`: a folder, or "shipped": the corpus that ships for the target checkpoint (its sha256)."""
     if str(data) != "shipped":
         return data
-    from . import manifest as mf
+    from .. import manifest as mf
 
     found = artifacts.shipped(mf.checkpoint_sha256(ck.path)) if ck is not None else None
     if found is None:

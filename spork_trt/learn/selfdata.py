@@ -14,13 +14,9 @@ Both run on one engine core (continuous batching, lossless n-gram speculation: g
 """
 from __future__ import annotations
 
-import ast
-import functools
 import json
 import platform
-import random
 import sys
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -28,11 +24,12 @@ from pathlib import Path
 
 from ..config import GenerateConfig, SamplingConfig, SpecConfig
 from ..errors import UserError
+from ..export.artifacts import ANSWERS, COUNTS, RECIPE, read_jsonl
+from ..export.code_prompts import stdlib_candidates
 from ..generate import run_many
 
-PROMPTS, ANSWERS, RECIPE = "prompts.jsonl", "answers.jsonl", "recipe.json"
+PROMPTS = "prompts.jsonl"
 SENTINEL = "\x00SPORK_USER_TURN\x00"  # cut point: the chat template's text before the user's content
-CODE_PREFIX = "Complete the following Python function:\n"
 # Opener prompts begin with one of these instruction verbs, in turn (the most common root verbs of instruction-tuning
 # data, as Self-Instruct and Alpaca count them, plus a few for role-play and reasoning): Magpie from the bare prefix
 # writes mostly "I'm ..." and "Can you ..." requests; these make the target write the other kinds of task too.
@@ -40,8 +37,6 @@ OPENERS = ("Write", "Explain", "Describe", "Create", "Generate", "Give", "List",
            "Compare", "Analyze", "Identify", "Classify", "Extract", "Translate", "Suggest", "Design", "Compose",
            "Imagine", "Pretend", "Solve", "Calculate", "Find", "Tell", "Evaluate", "Discuss", "Outline", "Convert",
            "Draft")
-COUNTS = {"magpie": "magpie", "stdlib": "stdlib", "openers": "opener"}  # count setting -> its source; a rerun may
-# raise a count to extend a run
 SEED_OFFSET = {"magpie": 0, "opener": 500_000_000}  # each sampled source draws its own seeds
 
 
@@ -66,18 +61,6 @@ class SelfDataConfig:
 
 def stage(msg: str) -> None:
     print(f"[self-data] {msg}", file=sys.stderr, flush=True)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interrupted run: redone
-            break
-    return rows
 
 
 class Appender:
@@ -131,38 +114,6 @@ def stdlib_functions(seed: int, n: int, max_tokens: int, tok) -> list[dict]:
         if len(tok.encode_prompt(f["prompt"])) <= max_tokens:
             out.append({**f, "source": "stdlib", "kept": True})
     return out
-
-
-def stdlib_candidates(seed: int) -> list[dict]:
-    """Every public top-level documented function of this Python's standard library as a prompt {"id", "prompt"}
-    (signature + docstring), in one order shuffled with `seed`."""
-    found = list(stdlib_prompts())
-    random.Random(seed).shuffle(found)
-    return found
-
-
-@functools.cache
-def stdlib_prompts() -> tuple[dict, ...]:
-    """stdlib_candidates' prompts in file order (parsing the standard library takes seconds: once)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node) \
-                    and node.body and len(node.body) > 1 and node.col_offset == 0:
-                doc = node.body[0]
-                head = "\n".join(lines[node.lineno - 1:doc.end_lineno])
-                found.append({"id": f"stdlib:{path.relative_to(root)}:{node.name}", "prompt": CODE_PREFIX + head})
-    return tuple({f["id"]: f for f in found}.values())  # a function defined twice in one module: once
 
 
 def synthesize(rt, cfg: SelfDataConfig) -> list[dict]:
@@ -274,7 +225,7 @@ def runtime(cfg: SelfDataConfig):
     with a --model or on a GPU, the checkpoint on torch (the device engine with CUDA graphs on cuda)."""
     from ..runtime import Runtime
     from ..weights import default_gguf_path
-    from . import manifest as mf
+    from .. import manifest as mf
 
     if cfg.model is None and cfg.device == "cpu":
         return Runtime.from_engines(cfg.engines, load_head=False), mf.read(cfg.engines)["source"]["sha256"]

@@ -113,7 +113,7 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
 
 def engines_sha(engines: Path) -> str:
     """The build's verifier + target identity (a rebuilt engine invalidates collected nodes)."""
-    from . import manifest as mf
+    from .. import manifest as mf
 
     m = mf.read(engines)
     return "".join(mf.weights(m, m["engines"][r]).get("sha256", "") for r in ("target", "verifier"))
