@@ -7,6 +7,7 @@ EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
+  python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -116,6 +117,16 @@ def main(argv=None) -> int:
     ag.add_argument("--head", default=None, help="also a trained draft head (an `export train-draft` folder or its "
                     "head.safetensors): top-1 agreement by depth on the target's answers, text it never trained on")
     ag.add_argument("--json", action="store_true")
+    fi = sub.add_parser("fidelity", help="each build's target against the fp32 reference, teacher-forced on held-out "
+                        "text: top-1 agreement, KL, perplexity", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    fi.add_argument("builds", nargs="+", help="build folders whose targets to measure (same checkpoint)")
+    fi.add_argument("--reference", default="engines/default", help="a build with an fp32 target (default: "
+                    "%(default)s)")
+    fi.add_argument("--chunks", type=int, default=16, help="held-out text chunks (default: %(default)s)")
+    fi.add_argument("--tokens", type=int, default=512, help="tokens per chunk (default: %(default)s)")
+    fi.add_argument("--out", default="results/fidelity")
+    fi.add_argument("--json", action="store_true")
     rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "
                         "plain answers with the scheduler and a cost curve (shapes, store sizes, a GPU's costs)",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,6 +235,10 @@ def main(argv=None) -> int:
             from . import report
 
             return report.main(args)
+        if args.command == "fidelity":
+            from . import fidelity
+
+            return fidelity.main(args)
         if args.command == "agreement":
             from . import agreement
 

@@ -286,7 +286,8 @@ def inspect(a) -> int:
     print(f"backend: {m['backend']} ({attention} attention graphs); drafters: {', '.join(m['drafters'])}")
     for role, e in m["engines"].items():
         size = mf.weights(m, e).get("bytes", 0)
-        print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB")
+        print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB"
+              + (f"  weights: {e['weights']}" if e.get("weights") else ""))
     print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
     if a.verify:
         print(f"all {len(m['artifacts'])} artifacts match their sha256")

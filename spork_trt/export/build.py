@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from . import tensorrt as trt_build
 from .artifacts import build_store, head_source, store_source, text_file
+from .gguf_blocks import BLOCKS_LAYOUT, int4_from_blocks
 from .onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx
 from .quantize import quantize
 
@@ -101,7 +102,9 @@ def build(cfg: BuildConfig) -> Path:
               "head": head_file and {"from": head_what, "sha256": mf.sha256(head_file)},
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
               "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
-              else None}
+              else None,
+              "int4_blocks": BLOCKS_LAYOUT if source.suffix.lower() == ".gguf" and cfg.backend == "onnx"
+              and "int4" in {cfg.precision, *(d[5:] for d in cfg.drafts)} else None}
     old = json.loads((out / mf.MANIFEST).read_text()) if (out / mf.MANIFEST).is_file() else None
     if old and not cfg.force and old.get("build_inputs") == inputs and all(
             (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
@@ -130,6 +133,9 @@ def build(cfg: BuildConfig) -> Path:
     made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
 
     def quantized(q: str, path: Path) -> Path:
+        if q not in made and q == "int4" and ck.kind == "gguf":
+            stage(f"int4 from the checkpoint's own blocks: {path.name}")
+            made[q] = int4_from_blocks(fp32, path, ck)
         if q not in made:
             stage(f"quantizing to {q}: {path.name}")
             made[q] = quantize(q, fp32, path, feeds)
@@ -140,6 +146,8 @@ def build(cfg: BuildConfig) -> Path:
     engines["target"] = {"path": "target.onnx", "backend": "onnx",
                          "precision": cfg.precision if cfg.backend == "onnx" else "fp32", "layers": n_layers,
                          "taps": list(taps)}
+    if onnx_target and cfg.precision == "int4" and ck.kind == "gguf":
+        engines["target"]["weights"] = "the checkpoint's own blocks (gguf_blocks.py)"
     stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
     export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers, attention=attention)
     engines["verifier"] = {"path": "verifier.onnx", "backend": "onnx", "precision": "fp32",

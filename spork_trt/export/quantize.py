@@ -64,12 +64,13 @@ def run_quantizer(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict
     return quantize_static_int8(src, out, feeds())
 
 
-def quantize_nbits(src: Path, out: Path, bits: int, block: int = 32, accuracy_level: int = 4) -> Path:
+def quantize_nbits(src: Path, out: Path, bits: int, block: int = 32, accuracy_level: int = 4,
+                   exclude: list[str] | None = None) -> Path:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=accuracy_level, bits=bits)
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg)
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg, nodes_to_exclude=exclude or [])
     q.process()
     return save_external(q.model.model, out)
 
