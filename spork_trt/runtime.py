@@ -206,7 +206,7 @@ class Runtime:
 
     def drafter(self, name: str | DraftSpec, sampling: SamplingConfig) -> Drafter:
         """A new drafter for one request (`name`: a --draft value, `auto` resolved here)."""
-        draft = parse_draft(self.resolve_draft(name) if isinstance(name, str) else name, self.cfg.n_layers)
+        draft = parse_draft(self.resolve_draft(str(name)), self.cfg.n_layers)
         for need in sorted(draft.kind.needs):
             if not self.has(need):
                 raise UserError(f"--draft {draft} needs a build with {NEEDS_HELP[need]}, then pass --engines")
