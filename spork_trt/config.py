@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .draft_kinds import NGRAM, default_shape
+from .draft_kinds import NGRAM, default_shape, tree_room
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,8 @@ class SpecConfig:
         k, m, n = default_shape(draft)
         return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n,
                    adaptive=adaptive, **more)
+
+    @property
+    def tree_room(self) -> int:
+        """KV positions past the context one step's tree may take (draft_kinds.tree_room)."""
+        return tree_room(self.draft, self.tree_budget, self.tree_depth)

@@ -143,7 +143,7 @@ def budget(prompt_len: int, cfg: GenerateConfig, context: int) -> int:
 
 def room(prompt_len: int, max_new: int, spec: SpecConfig) -> int:
     """KV positions a request may need: its prompt, its new tokens, one step's tree and catch-up tokens."""
-    return prompt_len + max_new + spec.tree_budget + spec.tree_depth + 1
+    return prompt_len + max_new + spec.tree_room
 
 
 class EngineCore:

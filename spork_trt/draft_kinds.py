@@ -40,6 +40,7 @@ class DraftKind:
     shares_prompt: bool = False
     batched: bool = False  # proposes through `proposing`: each draft depth of every request is one batched forward
     wants_hidden: bool = False  # reads the target's hidden states of every committed token (`observe`)
+    grafted: int = 0  # draft nodes a step's tree may hold past the spec's budget (a second tree grafted on)
     arg_shapes: tuple[tuple[str, Shape], ...] = ()  # (arg, shape) where an argument drafts its own default tree
 
     @property
@@ -79,7 +80,8 @@ STORE = DraftKind("store", (3, 6, 12), needs=frozenset({DATASTORE}))  # + the da
 EAGLE = DraftKind("eagle", (2, 4, 6), needs=frozenset({HEAD}), wants_hidden=True)
 # the store's tree alone on long matches, else the head's grafted on; the shape is the store part's (the head drafts
 # with eagle's, cut to the current depth)
-STORE_EAGLE = DraftKind("store-eagle", (3, 6, 12), parts=(DraftSpec(STORE), DraftSpec(EAGLE)), wants_hidden=True)
+STORE_EAGLE = DraftKind("store-eagle", (3, 6, 12), parts=(DraftSpec(STORE), DraftSpec(EAGLE)), wants_hidden=True,
+                        grafted=EAGLE.shape[2])
 # the target's quantized copies; only int8 and int4 were swept: the others draft chains as short as int4's, since
 # they agree less with the target than int8 (README)
 SELF = DraftKind("self", (1, 3, 3), QUANT, frozenset({ENGINE}), shares_prompt=True, batched=True,
@@ -128,6 +130,13 @@ def parse_draft(text: str | DraftSpec, n_layers: int | None = None) -> DraftSpec
 def default_shape(text: str) -> Shape:
     """The default tree of a --draft value, unchecked (an unknown one: ngram's; parse_draft refuses it)."""
     return SHAPES.get(text.partition(":")[0], NGRAM.shape)
+
+
+def tree_room(text: str, budget: int, depth: int) -> int:
+    """KV positions past the context one step of a --draft value's trees may take: its draft nodes (the budget and
+    what its kind grafts past it), the catch-up tokens (at most the depth) and the root."""
+    kind = next((k for k in KINDS if k.name == text.partition(":")[0]), NGRAM)
+    return budget + kind.grafted + depth + 1
 
 
 def resolve(text: str, default: str) -> str:

@@ -227,7 +227,7 @@ class Service:
         self.runtime, self.spec = runtime, spec
         # the context a request may use: the model's window, or less when the slots are smaller (they also keep
         # room for one step's tree)
-        self.context = min(runtime.cfg.max_seq_len, core.max_len - (spec.tree_budget + spec.tree_depth + 1))
+        self.context = min(runtime.cfg.max_seq_len, core.max_len - spec.tree_room)
         if self.context < 2:
             raise UserError(f"KV slots of {core.max_len} positions leave no room for a request: raise max_len")
         self.core = EngineCore(runtime.engine, self.context, core)

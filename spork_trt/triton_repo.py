@@ -52,8 +52,7 @@ class RepoConfig:
 
 def tree_room(draft: str) -> int:
     """KV positions past the context a slot keeps for one step's tree (core.room, service.Service.context)."""
-    spec = SpecConfig.for_draft(draft)
-    return spec.tree_budget + spec.tree_depth + 1
+    return SpecConfig.for_draft(draft).tree_room
 
 
 def pb():

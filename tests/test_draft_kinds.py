@@ -104,3 +104,12 @@ def test_drafters_declare_the_capabilities_of_their_rows():
             rt.drafter(text, SamplingConfig())
     with pytest.raises(UserError, match="--draft ngram drafts without an engine of its own"):
         rt.draft_engine("ngram")
+
+
+def test_a_steps_tree_room_counts_what_a_combined_drafter_grafts_past_the_budget():
+    """store-eagle grafts the head's tree (eagle's budget) onto the store's: its slots keep room for both."""
+    for text in ("ngram", "auto", "self-int8", "early-exit:8", "eagle"):
+        spec = SpecConfig.for_draft(text)
+        assert spec.tree_room == spec.tree_budget + spec.tree_depth + 1, text
+    spec = SpecConfig.for_draft("store-eagle", 2, 3, 4)
+    assert spec.tree_room == 4 + SpecConfig.for_draft("eagle").tree_budget + 3 + 1
