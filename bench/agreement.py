@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from spork_trt.config import GenerateConfig
+from spork_trt.draft_kinds import SELF, named
 from spork_trt.engines import forward_chain, prefill
 from spork_trt.errors import UserError
 from spork_trt import manifest as mf
@@ -67,7 +68,7 @@ def main(a) -> int:
     if m["engines"]["target"]["precision"] != "fp32":
         raise UserError(f"{d} has a {m['engines']['target']['precision']} target: agreement is measured against "
                         "an fp32 target (build one with --precision fp32)")
-    quants = [k for k in m["engines"] if k.startswith("self-")]
+    quants = named(m["engines"], SELF)
     if not quants and not a.head:
         raise UserError(f"{d} has no quantized engines: build some with `python -m export build --draft ...`, or "
                         "measure a draft head with --head DIR")

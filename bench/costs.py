@@ -21,6 +21,7 @@ import time
 import torch
 
 from spork_trt.config import SamplingConfig
+from spork_trt.draft_kinds import EAGLE, is_kind
 from spork_trt.engines import SeqInput, chain_input, prefill
 from spork_trt.runtime import Runtime
 from spork_trt.tree import chain_parents, compile_tree
@@ -56,7 +57,7 @@ def forward_ms(engine, n: int, repeats: int, run=None, rows: list[int] | None = 
 def head_ms(rt: Runtime, context: list[int], repeats: int) -> float:
     """Median ms of one step of the learned draft head (--draft eagle) after `context` rows of its own cache: one
     row through the head and the top children of its draft-vocabulary logits (what each greedy draft depth costs)."""
-    d = rt.drafter("eagle", SamplingConfig())
+    d = rt.drafter(EAGLE.name, SamplingConfig())
     d.reset([], len(context) + 8)
     n, dim = len(context), d.head.hc.dim
     with torch.inference_mode():
@@ -118,7 +119,7 @@ def main(a) -> int:
     t_ms = {r["nodes"]: r["target_ms"] for r in rows}
     drafts = []
     for name in a.drafts:
-        if name == "eagle":
+        if is_kind(name, EAGLE):
             d1 = head_ms(rt, context, a.repeats)
         else:
             engine = rt.draft_engine(name).fresh()

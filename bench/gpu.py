@@ -21,6 +21,7 @@ import torch
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.core import Request
 from spork_trt.datastore import Datastore
+from spork_trt.draft_kinds import NGRAM, STORE
 from spork_trt.drafters import NgramDrafter, StoreDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.device_engine import DeviceEngine
@@ -118,9 +119,9 @@ def main(a) -> int:
     store = Datastore.index(load_corpus(found)) if found else None
     res["spork"] = {}
     with_store = (lambda: StoreDrafter(NgramDrafter(4), store)) if store else None
-    for name, make, spec in (("ngram", lambda: NgramDrafter(4), SpecConfig.for_draft("ngram")),
-                             ("store", with_store, SpecConfig.for_draft("store")),
-                             ("store-wide", with_store, SpecConfig.for_draft("store", *WIDE))):
+    for name, make, spec in ((NGRAM.name, lambda: NgramDrafter(4), SpecConfig.for_draft(NGRAM.name)),
+                             (STORE.name, with_store, SpecConfig.for_draft(STORE.name)),
+                             (STORE.name + "-wide", with_store, SpecConfig.for_draft(STORE.name, *WIDE))):
         if make is None:
             continue
         stage(f"spork/{name}, batch 1")

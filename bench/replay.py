@@ -19,13 +19,14 @@ from pathlib import Path
 from spork_trt.config import SpecConfig
 from spork_trt.cost_model import PRIOR_SLOPE, CostModel
 from spork_trt.datastore import SEP, Datastore
+from spork_trt.draft_kinds import NGRAM, STORE, is_kind
 from spork_trt.drafters import NgramDrafter, StoreDrafter
 from spork_trt.errors import UserError
 from spork_trt.scheduler import Scheduler, allot
 from spork_trt.tree import DraftTree
 from spork_trt.verify import Verdict
 
-DRAFTS = ("ngram", "store")
+DRAFTS = (NGRAM, STORE)  # the drafters that need no model
 Cost = Callable[[int], float]  # a target forward of n tokens, in one-token forwards
 
 
@@ -147,12 +148,13 @@ def main(a) -> int:
     from spork_trt import manifest as mf
     from spork_trt.tokenizer import load_tokenizer
 
-    bad = [d for d in a.drafts if d not in DRAFTS]
+    bad = [d for d in a.drafts if not any(is_kind(d, kind) for kind in DRAFTS)]
     if bad:
-        raise UserError(f"--drafts {' '.join(bad)}: replay runs the drafters that need no model ({', '.join(DRAFTS)})")
+        raise UserError(f"--drafts {' '.join(bad)}: replay runs the drafters that need no model "
+                        f"({', '.join(kind.name for kind in DRAFTS)})")
     eng, cost = Path(a.engines), cost_curve(a.costs)
     tok = load_tokenizer(eng, "hf", mf.spec_config(mf.read(eng)["model"]).eos_token_ids)
-    store = Datastore.load(eng) if "store" in a.drafts else None
+    store = Datastore.load(eng) if any(is_kind(d, STORE) for d in a.drafts) else None
     fractions = [float(f) for f in a.store_fractions.split(",")] if store is not None else [1.0]
     stores = {f: subset(store, f) for f in fractions} if store is not None else {}  # built once each
     rows = []
@@ -161,8 +163,8 @@ def main(a) -> int:
         for draft in a.drafts:
             for shape in shapes(a.shapes):
                 spec = SpecConfig.for_draft(draft, *(shape or ()))
-                for f in fractions if draft == "store" else [1.0]:
-                    st = stores[f] if draft == "store" else None
+                for f in fractions if is_kind(draft, STORE) else [1.0]:
+                    st = stores[f] if is_kind(draft, STORE) else None
                     make = (lambda st=st: StoreDrafter(NgramDrafter(4), st)) if st else (lambda: NgramDrafter(4))
                     r = sum((replay(make(), spec, p, ids, cost) for p, ids in pairs), Replayed(0, 0, 0, 0.0))
                     rows.append({"prompts": prompt_set, "draft": draft, "answers": len(pairs),

@@ -112,7 +112,8 @@ def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, lab
 
 def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> dict:
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
-    from spork_trt.config import AUTO_DRAFT, GenerateConfig, SpecConfig
+    from spork_trt.config import GenerateConfig, SpecConfig
+    from spork_trt.draft_kinds import AUTO_DRAFT
     from spork_trt.runtime import Runtime
 
     rt = Runtime.from_engines(engines)

@@ -41,7 +41,7 @@ EXAMPLES = """examples:
 
 
 def parser() -> argparse.ArgumentParser:
-    from spork_trt.config import SELF_DRAFTS
+    from spork_trt.draft_kinds import SELF_DRAFTS
     from spork_trt.export.build import PRECISIONS, BuildConfig
     from spork_trt.export.tensorrt import PRECISIONS as TRT_PRECISIONS
 

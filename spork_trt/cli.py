@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import AUTO_DRAFT, DEVICE_DTYPES, DRAFT_HELP, GenerateConfig, SpecConfig
+from .config import DEVICE_DTYPES, GenerateConfig, SpecConfig
+from .draft_kinds import AUTO_DRAFT, DRAFT_HELP, parse_draft
 from .errors import UserError
 from .io_spec import REQUEST_FIELDS, request_config
 
@@ -109,7 +110,7 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .runtime import Runtime, parse_draft
+    from .runtime import Runtime
     from .tokenizer import StreamDecoder
 
     cfg, spec = generate_config(a), spec_config(a)

@@ -7,6 +7,8 @@ from numbers import Integral, Real
 
 from .errors import FieldError
 
+from .draft_kinds import NGRAM, default_shape, tree_room
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -114,36 +116,17 @@ class GenerateConfig:
         return self.sampling.greedy
 
 
-# quantized copies of the target (export/quantize.py says how each is made); `self-Q` drafts with copy Q
-QUANTS = ("int8", "int4", "int8-dynamic", "int8-static", "fp8")
-SELF_DRAFTS = tuple(f"self-{q}" for q in QUANTS)
-AUTO_DRAFT = "auto"  # the best measured drafter a runtime has: store with a datastore, else ngram (README)
-DRAFT_HELP = f"auto | ngram | store | eagle | store-eagle | hybrid | {' | '.join(SELF_DRAFTS)} | early-exit:N | model:PATH"
-
 DEVICE_DTYPES = ("bf16", "fp16", "fp32")  # the device engine's precisions (--dtype)
 VERIFIER_LAYERS = 8  # early-layer verifier depth: 16 calibrates about as well at twice the cost (README)
-
-# Tree shape (width, depth, budget) per drafter kind, from `python -m bench run` (README): model drafters pay per
-# depth, so they draft chains; the n-gram drafter is free, so it drafts a wider tree.
-DRAFT_SHAPES: dict[str, tuple[int, int, int]] = {
-    "ngram": (3, 6, 12), "store": (3, 6, 12), "self-int8": (1, 5, 5), "self-int4": (1, 3, 3), "early-exit": (2, 2, 4),
-    "model": (1, 4, 4),
-    "eagle": (2, 4, 6),  # the learned head: a narrow tree (a CPU target pays for every node it verifies)
-    "hybrid": (3, 6, 12),  # the n-gram part's shape; the self-int8 part drafts with its own
-    "store-eagle": (3, 6, 12),  # the store part's shape; the head drafts with eagle's, cut to the current depth
-    # not swept: chains as short as self-int4's, since they agree less with the target than self-int8 (README)
-    "self-int8-dynamic": (1, 3, 3), "self-int8-static": (1, 3, 3), "self-fp8": (1, 3, 3),
-}
-
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings: the drafter, the tree shape, and recovery."""
 
-    draft: str = "ngram"  # ngram | store | eagle | store-eagle | hybrid | self-Q (Q in QUANTS) | early-exit:N | model:PATH
-    tree_width: int = DRAFT_SHAPES["ngram"][0]  # K: top-K children (forks) per expanded node, nodes kept per depth
-    tree_depth: int = DRAFT_SHAPES["ngram"][1]  # M: draft depth
-    tree_budget: int = DRAFT_SHAPES["ngram"][2]  # N: most draft nodes per step
+    draft: str = NGRAM.name  # a --draft value (draft_kinds.DRAFT_HELP), parsed by draft_kinds.parse_draft
+    tree_width: int = NGRAM.shape[0]  # K: top-K children (forks) per expanded node, nodes kept per depth
+    tree_depth: int = NGRAM.shape[1]  # M: draft depth
+    tree_budget: int = NGRAM.shape[2]  # N: most draft nodes per step
     adaptive: bool = True  # cost-aware pruning, depth halving/regrowth, fall back when slower than plain
     fail_limit: int = 3  # consecutive steps with nothing accepted before falling back to plain decoding
     cooldown: int = 4  # plain steps before probing speculation again
@@ -165,6 +148,11 @@ class SpecConfig:
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,
                   budget: int | None = None, adaptive: bool = True, **more) -> SpecConfig:
         """The drafter's measured default shape, with any of width/depth/budget (and other fields) overridden."""
-        k, m, n = DRAFT_SHAPES.get(draft.partition(":")[0], DRAFT_SHAPES["ngram"])
+        k, m, n = default_shape(draft)
         return cls(draft=draft, tree_width=width or k, tree_depth=depth or m, tree_budget=budget or n,
                    adaptive=adaptive, **more)
+
+    @property
+    def tree_room(self) -> int:
+        """KV positions past the context one step's tree may take (draft_kinds.tree_room)."""
+        return tree_room(self.draft, self.tree_budget, self.tree_depth)

@@ -255,7 +255,7 @@ class EngineCore:
                      for r in reqs]
         trees, seconds = {}, {}
         for r, sp in zip(reqs, speculate):
-            if sp and not hasattr(r.drafter, "proposing"):
+            if sp and not r.drafter.batched:
                 t = time.perf_counter()
                 trees[r] = r.drafter.propose(r.root, r.sched.shape())
                 seconds[r] = time.perf_counter() - t
@@ -349,7 +349,7 @@ class EngineCore:
 
 def wants_hidden(r: Request) -> bool:
     """The request's drafter reads the target's hidden states (the learned draft head)."""
-    return getattr(r.drafter, "wants_hidden", False)
+    return r.drafter is not None and r.drafter.wants_hidden
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:

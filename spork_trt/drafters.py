@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -33,6 +33,12 @@ from .verify import Verdict
 
 
 class Drafter(Protocol):
+    """Every drafter subclasses this: the engine core reads the capabilities declared here (their defaults: none),
+    never probes for them. They match the kind's row (draft_kinds: `batched`, `wants_hidden`)."""
+
+    batched: ClassVar[bool] = False  # proposes through `proposing` (the engine core batches its draft forwards)
+    wants_hidden: ClassVar[bool] = False  # the engine core passes the target's hidden states to `observe`
+
     def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         """Start a sequence; `target`: the target engine, its prompt rows committed (a self-draft may take them)."""
 
@@ -40,9 +46,18 @@ class Drafter(Protocol):
 
     def commit(self, tree: DraftTree, verdict: Verdict) -> None: ...
 
+    def proposing(self, root: int, spec: SpecConfig) -> Proposing:
+        """`propose` as a generator of its draft forwards (batched drafters only): yields (engine, SeqInput) per
+        draft forward, is sent its logits [r, V], returns the tree."""
+        raise NotImplementedError(f"{type(self).__name__} is not batched")
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The target's hidden states [n, k*C] of the rows its last forward committed (wants_hidden only)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read hidden states")
+
 
 @dataclass
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with any engine (separate model, quantized self-draft, early exit) that keeps its own KV cache.
 
     Invariant: the engine's committed rows hold the committed sequence minus `behind` (committed tokens it has not
@@ -60,6 +75,7 @@ class ModelDrafter:
     batcher: object = None
     behind: list[int] = field(default_factory=list)
     rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
+    batched: ClassVar[bool] = True
 
     def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         self.engine.reset(max_len)
@@ -73,8 +89,6 @@ class ModelDrafter:
         return drive([self.proposing(root, spec)])[0]
 
     def proposing(self, root: int, spec: SpecConfig) -> Proposing:
-        """The proposal as a generator: yields (engine, SeqInput) per draft forward, is sent its logits [r, V],
-        returns the tree."""
         eng = self.batcher or self.engine
         base = self.engine.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
@@ -238,7 +252,7 @@ def sampled_children(level, logits, logp, k: int, slots: int, sampling: Sampling
 
 
 @dataclass
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: continuations of the latest matches of the context's suffix (longest n first).
 
     An index of the context's n-grams (n = 1..max_n, start positions ascending) grows with every commit, so a
@@ -289,13 +303,14 @@ class NgramDrafter:
 
 
 @dataclass
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Prompt lookup when the context repeats itself (a suffix of at least `ngram.min_n` tokens recurs: free and
     likely right), the model drafter otherwise. Both follow every commit."""
 
     ngram: NgramDrafter
     model: ModelDrafter
     model_spec: SpecConfig  # the model drafter's own tree shape
+    batched: ClassVar[bool] = True
 
     def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
         self.ngram.reset(prompt_ids, max_len)
@@ -316,7 +331,7 @@ class HybridDrafter:
 
 
 @dataclass
-class StoreDrafter:
+class StoreDrafter(Drafter):
     """The request's own text first (prompt lookup), then the datastore of the target's own generations
     (datastore.py) for the forks the context leaves: continuations of the longest match of the recent tokens, most
     frequent first. Every node's score is its matched suffix length / max_n (until 2026-12-01 a store node's was

@@ -30,7 +30,7 @@ import torch
 
 from .config import SamplingConfig, SpecConfig
 from .draft_head import DraftHead
-from .drafters import StoreDrafter, grow_tree, level_mask
+from .drafters import Drafter, StoreDrafter, grow_tree, level_mask
 from .kv_cache import KVCache, Rows
 from .tree import DraftTree, graft
 from .verify import Verdict
@@ -45,7 +45,7 @@ def lookup(table) -> Callable[[list[int]], torch.Tensor]:
 
 
 @dataclass
-class EagleDrafter:
+class EagleDrafter(Drafter):
     head: DraftHead
     embed: Callable[[list[int]], torch.Tensor]  # token ids [T] -> the target's embeddings [T, C] (see `lookup`)
     sampling: SamplingConfig
@@ -133,7 +133,7 @@ class EagleDrafter:
 
 
 @dataclass
-class StoreHeadDrafter:
+class StoreHeadDrafter(Drafter):
     """`--draft store-eagle`: the store drafter (the request's own text, then the datastore) and the learned draft
     head together. Where the store's best match is at least `min_match` tokens (likely right, free) its tree alone;
     otherwise the store's tree with the head's nodes grafted on after its own (greedy: the scheduler's allotment picks

@@ -9,18 +9,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import (
-    AUTO_DRAFT,
-    DRAFT_HELP,
-    SELF_DRAFTS,
-    VERIFIER_LAYERS,
-    GenerateConfig,
-    ModelConfig,
-    SamplingConfig,
-    SpecConfig,
-)
+from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .core import Request
 from .datastore import Datastore
+from .draft_kinds import (
+    DATASTORE,
+    EAGLE,
+    EARLY_EXIT,
+    ENGINE,
+    HEAD,
+    HYBRID,
+    KINDS,
+    MODEL,
+    NGRAM,
+    SELF,
+    STORE,
+    STORE_EAGLE,
+    DraftKind,
+    DraftSpec,
+    named,
+    parse_draft,
+    resolve,
+)
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
 from .eagle import EagleDrafter, StoreHeadDrafter, lookup
 from .errors import UserError
@@ -32,21 +42,6 @@ from .verifier import ConfidenceHead, Verifier, load_heads
 from .weights import load_checkpoint
 
 MODES = ("plain", "spork", "gate")
-TORCH_SELF_DRAFTS = ("self-int8", "self-int4")  # the torch engine's own quantized copies (quant.py)
-
-
-def parse_draft(name: str, n_layers: int) -> tuple[str, str]:
-    """Validate a --draft value; returns (kind, argument)."""
-    kind, _, arg = name.partition(":")
-    if kind in (AUTO_DRAFT, "ngram", "store", "eagle", "store-eagle", "hybrid", *SELF_DRAFTS) and not arg:
-        return kind, ""
-    if kind == "early-exit" and arg.isdigit() and 1 <= int(arg) < n_layers:
-        return kind, arg
-    if kind == "early-exit":
-        raise UserError(f"--draft early-exit:N needs N in 1..{n_layers - 1} (the target has {n_layers} layers)")
-    if kind == "model" and arg:
-        return kind, arg
-    raise UserError(f"unknown --draft {name!r}: use {DRAFT_HELP}")
 
 
 @dataclass
@@ -54,7 +49,7 @@ class Runtime:
     cfg: ModelConfig
     tokenizer: Tokenizer
     engine: object  # the target engine
-    build_draft_engine: Callable[[str, str], object]  # (kind, arg) -> engine
+    build_draft_engine: Callable[[DraftSpec], object]  # a draft engine (kinds that need an ENGINE)
     backend: str = "torch"
     verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
@@ -79,20 +74,21 @@ class Runtime:
         ck = load_checkpoint(model)
         tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
 
-        def draft_engine(kind: str, arg: str):
-            if kind == "self-int8":
-                return TorchEngine(int8_copy(ck.model))
-            if kind == "self-int4":
-                return TorchEngine(int4_copy(ck.model))
-            if kind == "early-exit":
-                return TorchEngine(ck.model, exit_layer=int(arg))
-            if kind in SELF_DRAFTS:
-                raise UserError(f"--draft {kind} runs on ONNX Runtime engines: build them with `python -m export "
-                                f"build --draft {kind}` and pass --engines (the torch engine has "
-                                f"{', '.join(TORCH_SELF_DRAFTS)})")
-            draft = load_checkpoint(arg)
+        copies = {"int8": int8_copy, "int4": int4_copy}  # the torch engine's own quantized copies (quant.py)
+
+        def draft_engine(d: DraftSpec):
+            if d.kind is SELF and d.arg in copies:
+                return TorchEngine(copies[d.arg](ck.model))
+            if d.kind is EARLY_EXIT:
+                return TorchEngine(ck.model, exit_layer=int(d.arg))
+            if d.kind is SELF:
+                raise UserError(f"--draft {d} runs on ONNX Runtime engines: build them with `python -m export "
+                                f"build --draft {d}` and pass --engines (the torch engine has "
+                                f"{', '.join(str(DraftSpec(SELF, q)) for q in copies)})")
+            assert d.kind is MODEL, d
+            draft = load_checkpoint(d.arg)
             check_same_tokenizer(tok, load_tokenizer(draft.path, draft.kind, draft.cfg.eos_token_ids),
-                                 ck.cfg.vocab_size, draft.cfg.vocab_size, arg)
+                                 ck.cfg.vocab_size, draft.cfg.vocab_size, d.arg)
             return TorchEngine(draft.model)
 
         if device == "cpu":
@@ -124,24 +120,25 @@ class Runtime:
             target = DeviceEngine(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
             m = {**m, "backend": f"torch-{device}-{dtype}"}
 
-        def draft_engine(kind: str, arg: str):
-            if device is not None and kind == "early-exit":
+        def draft_engine(draft: DraftSpec):
+            layers = built["verifier"]["layers"]  # an early-exit draft of as many layers shares its engine
+            if device is not None and draft.kind is EARLY_EXIT:
                 raise UserError("the early-layer verifier runs on the target's own cache, and early-exit drafts "
                                 "share its engine: not with the device engine (use ngram, store, eagle or a "
                                 "self-draft)")
-            if kind in built:
-                return load_engine(d, built[kind], cfg, providers)
-            if kind == "early-exit" and int(arg) == built["verifier"]["layers"]:
+            if draft.kind is SELF and str(draft) in built:  # a build keeps its quantized copies by --draft value
+                return load_engine(d, built[str(draft)], cfg, providers)
+            if draft.kind is EARLY_EXIT and int(draft.arg) == layers:
                 return load_engine(d, built["verifier"], cfg, providers)
-            have = [k for k in built if k.startswith("self-")] + [f"early-exit:{built['verifier']['layers']}"]
-            raise UserError(f"{d} has no engine for --draft {kind}{':' + arg if arg else ''}: built drafts are "
-                            f"ngram, {', '.join(have)} (rebuild with `python -m export build` to add others)")
+            have = [*named(built, SELF), str(DraftSpec(EARLY_EXIT, str(layers)))]
+            raise UserError(f"{d} has no engine for --draft {draft}: built drafts are "
+                            f"{NGRAM.name}, {', '.join(have)} (rebuild with `python -m export build` to add others)")
 
         if device is None:
             target = load_engine(d, built["target"], cfg, providers, target=True)
         layers = built["verifier"]["layers"]
         heads = load_heads(d, layers) if load_head and device is None else {}  # the verifier: not on a device
-        store = Datastore.load(d) if "store" in built else None
+        store = Datastore.load(d) if "store" in built else None  # the manifest's engine entries, not drafter names
         head = None
         if "head" in built:
             import numpy as np
@@ -161,11 +158,11 @@ class Runtime:
     @property
     def default_draft(self) -> str:
         """What `--draft auto` means here: the best measured drafter this runtime has (README, Learned drafts)."""
-        return "store" if self.store is not None else "ngram"
+        return STORE.name if self.store is not None else NGRAM.name
 
     def resolve_draft(self, name: str) -> str:
         """A --draft value with `auto` replaced by this runtime's default drafter."""
-        return self.default_draft if name == AUTO_DRAFT else name
+        return resolve(name, self.default_draft)
 
     def resolve(self, spec: SpecConfig) -> SpecConfig:
         """`spec` with draft `auto` resolved (the tree shape kept; on a target whose trees are not exact, a chain
@@ -175,11 +172,16 @@ class Runtime:
             return spec
         return replace(spec, tree_width=1, tree_budget=min(spec.tree_budget, spec.tree_depth))
 
-    def draft_engine(self, name: str):
+    def draft_engine(self, name: str | DraftSpec):
         """The draft engine for a model drafter (`self-int8`, `early-exit:8`, ...), built once."""
+        draft = parse_draft(name, self.cfg.n_layers)
+        if ENGINE not in draft.kind.needs:
+            raise UserError(f"--draft {draft} drafts without an engine of its own (model drafts have one: "
+                            f"{', '.join(s for k in KINDS if ENGINE in k.needs for s in k.spellings())})")
+        name = str(draft)
         with self._lock:
             if name not in self.draft_engines:
-                self.draft_engines[name] = self.build_draft_engine(*parse_draft(name, self.cfg.n_layers))
+                self.draft_engines[name] = self.build_draft_engine(draft)
             return self.draft_engines[name]
 
     def draft_batcher(self, name: str):
@@ -196,32 +198,23 @@ class Runtime:
         verifier shares this runtime's one early-exit engine (it holds no sequence: each forward runs on the
         request's own cache), so the engine core scores all of a step's trees in one batched forward. One core thread
         steps a runtime's requests (Service's loop; `generate`'s core of one), never two at once."""
-        return Verifier(self.draft_engine(f"early-exit:{self.verifier_layers}"), head)
+        return Verifier(self.draft_engine(DraftSpec(EARLY_EXIT, str(self.verifier_layers))), head)
 
-    def drafter(self, name: str, sampling: SamplingConfig) -> Drafter:
-        kind, _ = parse_draft(self.resolve_draft(name), self.cfg.n_layers)
-        if kind == "ngram":
-            return NgramDrafter(SpecConfig.ngram_max)
-        if kind == "store":
-            if self.store is None:
-                raise UserError("--draft store needs a build with a datastore: `python -m export build` makes one "
-                                "(from the shipped corpus of the default model, or --store DATA), then pass --engines")
-            return StoreDrafter(NgramDrafter(SpecConfig.ngram_max), self.store)
-        if kind == "eagle":
-            if self.head is None or not getattr(self.engine, "taps", ()):
-                raise UserError("--draft eagle needs a build with a draft head: `python -m export build --head DIR` "
-                                "(a `python -m export train-draft` folder), then pass --engines")
-            seed = None if sampling.seed is None else sampling.seed + 1
-            return EagleDrafter(*self.head[:2], sampling, make_generator(seed), self.head[2])
-        if kind == "store-eagle":
-            return StoreHeadDrafter(self.drafter("store", sampling), self.drafter("eagle", sampling),
-                                    SpecConfig.for_draft("eagle"), SpecConfig.store_min_match)
-        if kind == "hybrid":
-            ngram = NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match)
-            return HybridDrafter(ngram, self.drafter("self-int8", sampling), SpecConfig.for_draft("self-int8"))
-        seed = None if sampling.seed is None else sampling.seed + 1  # the drafter's own reproducible stream
-        return ModelDrafter(self.draft_engine(name).fresh(), sampling, make_generator(seed),
-                            share_prompt=kind in (*SELF_DRAFTS, "early-exit"), batcher=self.draft_batcher(name))
+    def has(self, need: str) -> bool:
+        """Whether this runtime has what a drafter kind needs (draft_kinds.DATASTORE, HEAD; engines load lazily)."""
+        if need == DATASTORE:
+            return self.store is not None
+        if need == HEAD:
+            return self.head is not None and bool(self.engine.taps)
+        return True
+
+    def drafter(self, name: str | DraftSpec, sampling: SamplingConfig) -> Drafter:
+        """A new drafter for one request (`name`: a --draft value, `auto` resolved here)."""
+        draft = parse_draft(self.resolve_draft(str(name)), self.cfg.n_layers)
+        for need in sorted(draft.kind.needs):
+            if not self.has(need):
+                raise UserError(f"--draft {draft} needs a build with {NEEDS_HELP[need]}, then pass --engines")
+        return DRAFTERS[draft.kind](self, draft, sampling)
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                 spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> Request:
@@ -248,14 +241,62 @@ def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: Confi
     if mode == "gate" and not spec.gate_tau > 0:
         raise UserError("--mode gate needs --tau in (0, 1]: the path confidence above which the verifier alone "
                         "accepts")
-    if mode == "gate" and spec.draft == "eagle":
-        raise UserError("--mode gate does not run with --draft eagle (the head needs the target's hidden states of "
-                        "every committed token, which gate mode skips): use --mode spork")
+    if mode == "gate" and parse_draft(spec.draft).kind.wants_hidden:
+        raise UserError(f"--mode gate does not run with --draft {spec.draft} (the head needs the target's hidden "
+                        "states of every committed token, which gate mode skips): use --mode spork")
     if mode == "gate" and not cfg.sampling.greedy:
         raise UserError("--mode gate is greedy only (it is measured against greedy decoding): drop --temperature")
     if (mode == "gate" or spec.verifier == "on") and not head:
         raise UserError(f"the verifier has no confidence head calibrated for the {spec.draft} drafter: run "
                         f"`python -m export calibrate --draft {spec.draft}` on the engines, pass them with --engines")
+
+
+# what a build lacks, for a drafter kind's `needs` (draft_kinds)
+NEEDS_HELP = {
+    DATASTORE: "a datastore: `python -m export build` makes one (from the shipped corpus of the default model, or "
+               "--store DATA)",
+    HEAD: "a draft head: `python -m export build --head DIR` (a `python -m export train-draft` folder)",
+}
+
+
+def drafter_seed(sampling: SamplingConfig) -> int | None:
+    """A drafter's own reproducible stream: the request's seed + 1."""
+    return None if sampling.seed is None else sampling.seed + 1
+
+
+def eagle_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> Drafter:
+    head, embed, step = rt.head
+    return EagleDrafter(head, embed, sampling, make_generator(drafter_seed(sampling)), step)
+
+
+def store_eagle_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> Drafter:
+    store, head = draft.kind.parts
+    return StoreHeadDrafter(rt.drafter(store, sampling), rt.drafter(head, sampling), SpecConfig.for_draft(str(head)),
+                            SpecConfig.store_min_match)
+
+
+def hybrid_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> Drafter:
+    _, model = draft.kind.parts  # the n-gram part matches longer suffixes than a lone n-gram drafter
+    return HybridDrafter(NgramDrafter(SpecConfig.ngram_max, SpecConfig.hybrid_min_match), rt.drafter(model, sampling),
+                         SpecConfig.for_draft(str(model)))
+
+
+def model_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> Drafter:
+    return ModelDrafter(rt.draft_engine(draft).fresh(), sampling, make_generator(drafter_seed(sampling)),
+                        share_prompt=draft.kind.shares_prompt, batcher=rt.draft_batcher(str(draft)))
+
+
+# how each drafter kind is built, after Runtime.drafter checked its needs (AUTO is resolved before)
+DRAFTERS: dict[DraftKind, Callable[[Runtime, DraftSpec, SamplingConfig], Drafter]] = {
+    NGRAM: lambda rt, draft, sampling: NgramDrafter(SpecConfig.ngram_max),
+    STORE: lambda rt, draft, sampling: StoreDrafter(NgramDrafter(SpecConfig.ngram_max), rt.store),
+    EAGLE: eagle_drafter,
+    STORE_EAGLE: store_eagle_drafter,
+    HYBRID: hybrid_drafter,
+    SELF: model_drafter,
+    EARLY_EXIT: model_drafter,
+    MODEL: model_drafter,
+}
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_draft: int, where: str) -> None:

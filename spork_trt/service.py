@@ -18,9 +18,10 @@ import numpy as np
 
 from . import io_spec
 from .admission import size_request
-from .config import AUTO_DRAFT, GenerateConfig, SamplingConfig, SpecConfig
+from .config import GenerateConfig, SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore, Request
 from .cost_model import ema
+from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
 from .errors import FieldError, QueueFull, UserError
 from .io_spec import REQUEST_FIELDS, request_config
 from .runtime import Runtime
@@ -251,10 +252,11 @@ class Service:
         """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`."""
         rt = Runtime.from_engines(engines, providers, device=device, dtype=dtype)
         spec = rt.resolve(SpecConfig.for_draft(draft))
-        if spec.draft in ("ngram", "store", "eagle", "store-eagle"):
-            rt.drafter(spec.draft, SamplingConfig())  # a build without its datastore or head fails now, in one line
-        elif spec.draft != "hybrid":
-            rt.draft_engine(spec.draft)  # load it now, not on the first request
+        draft = parse_draft(spec.draft, rt.cfg.n_layers)
+        if ENGINE in draft.kind.needs:
+            rt.draft_engine(draft)  # load it now, not on the first request
+        else:  # a build without its datastore or head (or a part's engine) fails now, in one line
+            rt.drafter(draft, SamplingConfig())
         return cls(rt, spec, core)
 
     @property

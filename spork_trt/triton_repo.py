@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import io_spec
-from .config import AUTO_DRAFT, DEVICE_DTYPES, SpecConfig
+from .config import DEVICE_DTYPES, SpecConfig
+from .draft_kinds import AUTO_DRAFT
 from .errors import UserError
 
 PROFILES = ("cpu", "gpu", "gpu-onnx")

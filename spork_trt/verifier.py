@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .draft_kinds import NGRAM
 from .engines import SeqInput
 from .errors import UserError
 from .repetition import REPETITION, repetition
@@ -87,7 +88,7 @@ def load_heads(d: Path, verifier_layers: int) -> dict[str, ConfidenceHead]:
     heads: dict[str, ConfidenceHead] = {}
     for f in sorted(d.glob(HEAD_GLOB)):  # confidence_head-*.json sort before an older confidence_head.json
         head = ConfidenceHead.load(f)
-        draft = head.meta.get("draft", "ngram")
+        draft = head.meta.get("draft", NGRAM.name)  # an older single head: fitted on ngram
         if head.verifier_layers != verifier_layers:
             raise UserError(f"{f} was calibrated for a {head.verifier_layers}-layer verifier, this build has "
                             f"{verifier_layers}: rerun `python -m export calibrate --engines {d} --draft {draft}`")

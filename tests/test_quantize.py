@@ -10,7 +10,8 @@ import onnx
 import pytest
 import torch
 
-from spork_trt.config import QUANTS, GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.draft_kinds import QUANTS
 from spork_trt.drafters import ModelDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.onnx_engine import OnnxEngine

@@ -19,9 +19,10 @@ import numpy as np
 
 from .. import io_spec
 from .. import manifest as mf
-from ..config import QUANTS, SELF_DRAFTS, VERIFIER_LAYERS
+from ..config import VERIFIER_LAYERS
 from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
+from ..draft_kinds import EAGLE, EARLY_EXIT, NGRAM, QUANTS, SELF, SELF_DRAFTS, STORE, DraftSpec, is_kind, parse_draft
 from ..errors import UserError
 from ..weights import default_gguf_path, load_checkpoint
 from . import tensorrt as trt_build
@@ -59,7 +60,7 @@ def stage(msg: str) -> None:
 def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
     """Refuse what this host or backend cannot build, before any work; the TensorRT plan settings."""
     for d in cfg.drafts:
-        if d not in SELF_DRAFTS:
+        if not is_kind(d, SELF):
             raise UserError(f"--draft {d}: buildable drafts are {', '.join(SELF_DRAFTS)} (ngram needs no engine)")
     if cfg.attention not in io_spec.ATTENTIONS:
         raise UserError(f"--attention {cfg.attention}: use one of {', '.join(io_spec.ATTENTIONS)}")
@@ -94,6 +95,7 @@ def build(cfg: BuildConfig) -> Path:
         if cfg.head != "auto":
             raise UserError("--head: the draft head runs with ONNX Runtime builds (--backend onnx) for now")
         head_file, head_what = None, "none (the draft head runs with ONNX Runtime builds)"
+    quants = {parse_draft(d).arg for d in cfg.drafts}  # self-Q: the copies quantized to Q
     inputs = {"source_sha256": source_sha, "precision": cfg.precision, "verifier_layers": cfg.verifier_layers,
               "drafts": list(cfg.drafts), "opset": OPSET, "graph": GRAPH_LAYOUT,
               "attention": cfg.graph_attention, "tools": mf.tool_versions(),
@@ -101,10 +103,10 @@ def build(cfg: BuildConfig) -> Path:
               "store": store_dir and {"from": store_what, "sha256": mf.sha256(text_file(store_dir))},
               "head": head_file and {"from": head_what, "sha256": mf.sha256(head_file)},
               "tensorrt": asdict(trt_cfg) | trt_tools() if trt_cfg else None,
-              "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *(d[5:] for d in cfg.drafts)}
+              "calibration": calibration_signature() if CALIBRATED & {cfg.precision, *quants}
               else None,
               "int4_blocks": BLOCKS_LAYOUT if source.suffix.lower() == ".gguf" and cfg.backend == "onnx"
-              and "int4" in {cfg.precision, *(d[5:] for d in cfg.drafts)} else None}
+              and "int4" in {cfg.precision, *quants} else None}
     old = json.loads((out / mf.MANIFEST).read_text()) if (out / mf.MANIFEST).is_file() else None
     if old and not cfg.force and old.get("build_inputs") == inputs and all(
             (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
@@ -153,7 +155,7 @@ def build(cfg: BuildConfig) -> Path:
     engines["verifier"] = {"path": "verifier.onnx", "backend": "onnx", "precision": "fp32",
                            "layers": cfg.verifier_layers}
     for draft in cfg.drafts:
-        q = draft.removeprefix("self-")
+        q = parse_draft(draft).arg  # self-Q: the target quantized to Q
         name = quantized(q, out / ("draft_" + q.replace("-", "_") + ".onnx")).name
         engines[draft] = {"path": name, "backend": "onnx", "precision": q, "layers": n_layers,
                           "taps": list(taps)}  # from fp32
@@ -190,8 +192,8 @@ def build(cfg: BuildConfig) -> Path:
         "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
         "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
         "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
-        "drafters": ["ngram", *(["store"] if store_dir else []), *(["eagle"] if head else []), *cfg.drafts,
-                     f"early-exit:{cfg.verifier_layers}"],
+        "drafters": [NGRAM.name, *([STORE.name] if store_dir else []), *([EAGLE.name] if head else []), *cfg.drafts,
+                     str(DraftSpec(EARLY_EXIT, str(cfg.verifier_layers)))],
         "tokenizer_files": tok_files,
         "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
     })

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..config import QUANTS
+from ..draft_kinds import QUANTS
 
 
 def quantize(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | None = None) -> Path:

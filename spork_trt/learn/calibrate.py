@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import AUTO_DRAFT, GenerateConfig, SpecConfig
+from ..config import GenerateConfig, SpecConfig
+from ..draft_kinds import AUTO_DRAFT
 from ..errors import UserError
 from ..generate import generate
 from ..prompts import load_prompts
