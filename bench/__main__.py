@@ -8,6 +8,7 @@ EXAMPLES = """examples:
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
   python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
+  python -m bench roofline engines/default engines/int4        # forward(T) against this machine's bound
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -127,6 +128,16 @@ def main(argv=None) -> int:
     fi.add_argument("--tokens", type=int, default=512, help="tokens per chunk (default: %(default)s)")
     fi.add_argument("--out", default="results/fidelity")
     fi.add_argument("--json", action="store_true")
+    ro = sub.add_parser("roofline", help="this machine's bandwidth and matmul peak, each build's target forward(T) "
+                        "against its bound", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ro.add_argument("builds", nargs="+", help="build folders whose targets to time")
+    ro.add_argument("--tokens", default="1,16,64", help="new tokens of the one-sequence forwards (default: "
+                    "%(default)s)")
+    ro.add_argument("--batch", type=int, default=16, help="sequences of the one-token batched forward (default: "
+                    "%(default)s)")
+    ro.add_argument("--repeats", type=int, default=7)
+    ro.add_argument("--out", default="results/roofline")
+    ro.add_argument("--json", action="store_true")
     rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "
                         "plain answers with the scheduler and a cost curve (shapes, store sizes, a GPU's costs)",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +246,10 @@ def main(argv=None) -> int:
             from . import report
 
             return report.main(args)
+        if args.command == "roofline":
+            from . import roofline
+
+            return roofline.main(args)
         if args.command == "fidelity":
             from . import fidelity
 

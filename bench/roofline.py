@@ -1,0 +1,132 @@
+"""`python -m bench roofline`: this machine's read bandwidth and fp32 matmul peak, and each build's target forward
+against its bound, in one run.
+
+    bound(T) = max(weight bytes / bandwidth, 2 x weight parameters x T / peak)
+
+Weight bytes and parameters are those of the target graph's weight MatMuls (MatMul with a constant weight, or
+MatMulNBits: its packed codes, scales and offsets), read once per forward; the embedding is a lookup (a few rows)
+and not counted. Forwards run as the engine core runs them (`forward_batch`, the target's own `min_rows`): one
+sequence of T new tokens after a committed context, and B sequences of one token each (a decode step of B
+requests). The bandwidth is torch summing a 512 MB array, the peak torch's fp32 matmul at 2048^3, both with this
+process's threads."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spork_trt import manifest as mf
+from spork_trt.engines import chain_input, load_engine
+
+from .costs import median_ms
+from .prompts import git_sha
+
+CONTEXT = 256  # committed rows before every timed forward
+
+
+@dataclass(frozen=True)
+class Machine:
+    read_gbs: float  # GB/s
+    matmul_gflops: float  # fp32, this process's threads
+
+
+@dataclass(frozen=True)
+class Point:
+    build: str
+    precision: str
+    shape: str  # "T=16" (one sequence) or "16x1" (16 sequences, one token each)
+    ms: float
+    bound_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ms / self.bound_ms
+
+
+def measure_machine(repeats: int = 5) -> Machine:
+    import torch
+
+    a = torch.ones(128 << 20)  # 512 MB, past every cache
+    a.sum()
+    t = min(timed(a.sum) for _ in range(repeats))  # torch's threads, as the engines read
+    m = torch.randn(2048, 2048)
+    m @ m
+    mm = min(timed(lambda: m @ m) for _ in range(repeats))
+    return Machine(round(a.numel() * 4 / t / 1e9, 2), round(2 * 2048 ** 3 / mm / 1e9, 1))
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_cost(graph: Path) -> tuple[int, int]:
+    """(bytes, parameters) of the graph's weight MatMuls."""
+    import onnx
+
+    g = onnx.load(str(graph), load_external_data=False).graph
+    size = {i.name: (int(np.prod(i.dims)), i.data_type) for i in g.initializer}
+    width = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.UINT8: 1, onnx.TensorProto.FLOAT16: 2}
+    nbytes = params = 0
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[1] in size:
+            count, dtype = size[n.input[1]]
+            nbytes, params = nbytes + count * width.get(dtype, 4), params + count
+        elif n.op_type == "MatMulNBits":
+            a = {x.name: x.i for x in n.attribute}
+            params += a["K"] * a["N"]
+            nbytes += sum(size[i][0] * width.get(size[i][1], 4) for i in n.input[1:] if i in size)
+    return nbytes, params
+
+
+def build_points(build: Path, machine: Machine, ts: list[int], batch: int, repeats: int) -> list[Point]:
+    m = mf.read(build)
+    entry, cfg = m["engines"]["target"], mf.spec_config(m["model"])
+    engine = load_engine(build, entry, cfg, target=True)
+    nbytes, params = weight_cost(build / entry["path"])
+    pool = engine.make_pool(batch, CONTEXT + max(ts) + 4).caches
+    for c in pool:
+        engine.forward_batch([chain_input(c, [500 + i % 1000 for i in range(CONTEXT)], (CONTEXT - 1,))])
+        c.commit()
+
+    def bound(tokens: int) -> float:
+        return 1000 * max(nbytes / (machine.read_gbs * 1e9), 2 * params * tokens / (machine.matmul_gflops * 1e9))
+
+    def once(seqs: list[list[int]]):
+        def run():
+            engine.forward_batch([chain_input(c, s, (len(s) - 1,)) for c, s in zip(pool, seqs)])
+            for c in pool[:len(seqs)]:
+                c.commit([])
+        return run
+
+    label = entry["precision"] + (" (checkpoint blocks)" if entry.get("weights") else "")
+    points = [Point(str(build), label, f"T={t}", median_ms(once([list(range(7, 7 + t))]), repeats), bound(t))
+              for t in ts]
+    points.append(Point(str(build), label, f"{batch}x1", median_ms(once([[9]] * batch), repeats), bound(batch)))
+    return points
+
+
+def main(a) -> int:
+    machine = measure_machine()
+    ts = [int(t) for t in a.tokens.split(",")]
+    points = [p for b in a.builds for p in build_points(Path(b), machine, ts, a.batch, a.repeats)]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"git_sha": git_sha(), "machine": platform.machine(), **asdict(machine),
+               "points": [asdict(p) | {"ratio": round(p.ratio, 2)} for p in points]}
+    tmp = out / "roofline.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(out / "roofline.json")
+    if a.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"this machine: read {machine.read_gbs} GB/s, fp32 matmul {machine.matmul_gflops} GFLOP/s")
+    print("| build | target | forward | ms | bound ms | x bound |\n| --- | --- | --- | ---: | ---: | ---: |")
+    for p in points:
+        print(f"| {p.build} | {p.precision} | {p.shape} | {p.ms:.1f} | {p.bound_ms:.1f} | {p.ratio:.2f} |")
+    return 0

@@ -1,0 +1,35 @@
+"""bench fidelity's comparison and bench roofline's weight accounting, on tiny graphs (no build, no timing)."""
+from __future__ import annotations
+
+import torch
+
+from bench.fidelity import compare
+from bench.roofline import weight_cost
+from spork_trt.export.onnx_graph import export_onnx
+from spork_trt.export.quantize import quantize
+from spork_trt.weights import random_checkpoint
+from tests.conftest import tiny_config
+
+
+def test_fidelity_of_a_target_with_itself_is_perfect_and_of_another_is_not():
+    g = torch.Generator().manual_seed(0)
+    texts = [torch.randint(0, 50, (20,), generator=g).tolist() for _ in range(2)]
+    ref = [torch.randn(20, 50, generator=g) for _ in texts]
+    top1, kl, p99, ppl, ref_ppl = compare(ref, ref, texts)
+    assert top1 == 1.0 and kl < 1e-9 and p99 < 1e-9 and abs(ppl - ref_ppl) < 1e-9
+    other = [r + 2 * torch.randn(r.shape, generator=g) for r in ref]
+    top1, kl, p99, ppl, _ = compare(ref, other, texts)
+    assert top1 < 0.9 and 0 < kl < p99
+
+
+def test_roofline_counts_each_weight_matmul_once(tmp_path):
+    cfg = tiny_config(vocab_size=64, n_layers=2, dim=64)
+    model = random_checkpoint(cfg, seed=1).model
+    fp32 = export_onnx(model, tmp_path / "t.onnx")
+    params = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2
+                 and not n.startswith("embed"))
+    params += 0 if not cfg.tie_embeddings else model.embed.weight.numel()  # the tied LM head is a MatMul too
+    nbytes, counted = weight_cost(fp32)
+    assert counted == params and nbytes == 4 * params
+    q_bytes, q_params = weight_cost(quantize("int4", fp32, tmp_path / "q.onnx"))
+    assert q_params == params and params / 2 <= q_bytes < nbytes / 4  # 4 bits a weight and a scale per 32
