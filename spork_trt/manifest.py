@@ -99,3 +99,10 @@ def weights(m: dict, entry: dict) -> dict:
     """The artifact record ({"sha256", "bytes"}) holding an engine's weights: its external data file when the graph
     has one (ONNX), else the file itself (a TensorRT plan)."""
     return m["artifacts"].get(entry["path"] + ".data", m["artifacts"].get(entry["path"], {}))
+
+
+def describe_target(m: dict) -> str:
+    """One line on what a build serves, e.g. "int4 target (the checkpoint's own blocks), 30 layers"."""
+    t = m["engines"]["target"]
+    return (f"{t['precision']} target" + (f" ({t['weights'].split(' (')[0]})" if t.get("weights") else "")
+            + f", {t['layers']} layers")

@@ -80,8 +80,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from . import manifest as mf
     from .serve import ServerConfig, TritonServer
-    from .triton_repo import RepoConfig, ensure_rendered
+    from .triton_repo import RepoConfig, engines_of, ensure_rendered, is_rendered
 
     if a.drain_timeout <= 0:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
@@ -92,7 +93,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, interrupt)
     # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupt)
-    print(f"starting tritonserver on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
+    served = mf.describe_target(mf.read(engines_of(repo))) if is_rendered(repo) else "not a rendered repository"
+    print(f"starting tritonserver on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     server = TritonServer(cfg).start()
     print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
           "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)

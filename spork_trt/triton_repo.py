@@ -104,6 +104,16 @@ def ensemble_config(name: str, spork: str):
     return c
 
 
+def engines_of(repo: Path) -> Path:
+    """The build a rendered repository serves (its spork model's `engines` parameter; relative: to the repository)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    c = text_format.Parse((repo / "spork" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    p = Path(c.parameters["engines"].string_value)
+    return p if p.is_absolute() else (repo / p).resolve()
+
+
 def is_rendered(repo: Path) -> bool:
     return (repo / "ensemble" / "config.pbtxt").is_file()
 
