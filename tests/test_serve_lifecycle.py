@@ -42,10 +42,14 @@ def test_the_previous_log_is_kept(tmp_path):
 
 
 def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, str]:
-    """`serve` in a subprocess, ready; returns it, its server's process group (the guard's pid) and its HTTP url."""
+    """`serve` in a subprocess, ready; returns it, its server's process group (the guard's pid) and its HTTP url.
+    The repository has one instance of each model (fewer stubs to start: these tests are about the processes)."""
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(engines, tmp_path / "repo", slots=2, unary_instances=1))
     ports = [str(free_port()) for _ in range(3)]
     err = (tmp_path / "launcher.err").open("w")  # a file, not a pipe nobody reads
-    p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(engines),
+    p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--repo", str(repo),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
                           "--log", str(tmp_path / "triton.log"), *extra], stderr=err, text=True)
     deadline = time.monotonic() + 300
