@@ -182,8 +182,7 @@ def drive_each(proposals: list[Proposing]) -> list[DraftTree | Exception]:
             groups.setdefault(id(eng), (eng, []))[1].append((i, seq))
         for eng, items in groups.values():
             for (i, _), logits in zip(items, forward_each(eng, [seq for _, seq in items])):
-                if isinstance(logits, Exception):
-                    proposals[i].close()
+                if isinstance(logits, Exception):  # the proposal is left unfinished
                     trees[i] = logits
                 else:
                     advance(i, logits)

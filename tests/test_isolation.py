@@ -82,8 +82,8 @@ class Flaky(TorchEngine):
     """A target whose batched forward raises: once, the first batch of several prompt chunks (`fail` "prefill") or
     decoding trees ("tree"), after storing its rows; always, a batch holding a sequence of a `poisoned` cache."""
 
-    def __init__(self, model, fail: str = "") -> None:
-        super().__init__(model)
+    def __init__(self, model, fail: str = "", exit_layer: int | None = None) -> None:
+        super().__init__(model, exit_layer)
         self.fail, self.failed, self.poisoned = fail, False, set()
 
     def forward_batch(self, seqs, hidden=None):
@@ -120,6 +120,21 @@ def test_a_forward_that_keeps_raising_for_one_request_fails_it_alone(model):
         core.step()
     assert isinstance(reqs[1].error, Broken) and reqs[1].result().stop_reason == "error" and core.pool.in_use == 0
     assert [reqs[i].result().token_ids for i in (0, 2)] == [alone(model, 0), alone(model, 2)]
+
+
+def test_a_draft_forward_that_keeps_raising_for_one_drafter_fails_its_request_alone(model):
+    """Two model drafters batched on one draft engine (drafters.drive_each): the forwards of one's cache raise."""
+    batcher = Flaky(model, exit_layer=1)
+    reqs = [early_request(model, i, batcher) for i in (0, 2)]
+    core = EngineCore(TorchEngine(model), 256, CoreConfig(slots=2, max_len=96))
+    for r in reqs:
+        core.add(r)
+    core.step()  # prefilled: each drafter holds its own cache
+    batcher.poisoned.add(id(reqs[0].drafter.engine.cache))
+    while not core.idle:
+        core.step()
+    assert isinstance(reqs[0].error, Broken) and reqs[1].error is None and core.pool.in_use == 0
+    assert reqs[1].result().token_ids == alone(model, 2) and reqs[1].stats.draft_tokens > 0
 
 
 # ---- the service
