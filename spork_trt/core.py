@@ -10,10 +10,17 @@ server.
 
 The core never calls back into its caller: a request's cancellation is a field the core reads; its new tokens,
 stats and result are fields the caller reads after each step.
+
+A request fails alone: whatever raises in the work of one request (its proposal, scoring, tree, verification,
+commit, prefill) fails that request (`error`, the detail logged under its `id`) and the others go on in the same
+step; a batched forward that raises is run again sequence by sequence (engines.isolation), so only the requests
+whose own forward raises fail.
 """
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,8 +31,9 @@ from .admission import size_request
 from .config import GenerateConfig, SpecConfig
 from .cost_model import CostModel
 from .draft_switch import DraftSwitch
-from .drafters import drive
+from .drafters import drive_each
 from .engines import SeqInput, chain_input
+from .engines.isolation import forward_each
 from .errors import QueueFull
 from .kv_cache import KVPool
 from .sampling import make_generator, pick, processed_probs
@@ -35,6 +43,8 @@ from .stopping import StopState
 from .tree import DraftTree, compile_tree
 from .verifier import Scored, ScoreJob, Verifier, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
+
+log = logging.getLogger("spork_trt.core")
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,7 @@ class CoreConfig:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated tokens only (EOS excluded)
-    stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled"
+    stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled" | "error"
     stats: Stats
     text: str | None = None  # set when a decode function was given
     verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
@@ -77,6 +87,7 @@ class Request:
     decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
     record: bool = False  # keep every verified step in `verified` (calibration)
     cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
     # ---- the core's
     stats: Stats = field(default_factory=Stats)  # filled in as the request runs
     outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
@@ -92,6 +103,7 @@ class Request:
     behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
     t0: float = 0.0
     finished: bool = False
+    error: Exception | None = None  # what failed this request alone (it left at the step it raised in)
 
     def take(self) -> list[int]:
         """Committed tokens since the last take."""
@@ -103,7 +115,8 @@ class Request:
         return self.verifier is not None and (self.verifier.head is not None or self.spec.verifier == "on")
 
     def result(self) -> GenerationResult:
-        reason = "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
+        reason = "error" if self.error is not None else \
+            "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
         text = self.stop.text() if self.decode and self.stop.reason else None
         return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
 
@@ -176,7 +189,7 @@ class EngineCore:
         return not self.active and not self.waiting
 
     def step(self) -> list[Request]:
-        """One step over every active request; returns the requests that finished (or left) in it."""
+        """One step over every active request; returns the requests that finished (or left, or failed) in it."""
         done = self.retire([r for r in (*self.waiting, *self.active) if r.cancelled])
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
@@ -184,27 +197,69 @@ class EngineCore:
         # the switch decides (and learns from) only steps with a greedy request that would follow it
         switched = any(r.drafter is not None and r.cfg.greedy for r in decoding)
         t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
-        drafts = self.propose(decoding, drafting)
+        drafts = self.propose(decoding, drafting)  # a request whose proposal raised is not among them: it failed
         padded = self.engine.padded_batches
-        counts = allot([d.cands or Candidates((), ()) for d in drafts], self.costs.seconds, self.cfg.step_tokens,
-                       padded)
-        self.switch.allotted([n for d, n in zip(drafts, counts) if d.cands is not None and d.cands.order])
-        trees = {r: self.tree_work(r, d, n) for r, d, n in zip(decoding, drafts, counts) if not d.gated}
+        counts = dict(zip(drafts, allot([d.cands or Candidates((), ()) for d in drafts.values()],
+                                        self.costs.seconds, self.cfg.step_tokens, padded)))
+        self.switch.allotted([counts[r] for r, d in drafts.items() if d.cands is not None and d.cands.order])
+        trees = self.each([r for r, d in drafts.items() if not d.gated],
+                          lambda r: self.tree_work(r, drafts[r], counts[r]))
         t = time.perf_counter()
-        hidden = [] if any(wants_hidden(r) for r in trees) else None  # [n_b, k*C] each: the draft head's features
-        logits = dict(zip(trees, self.engine.forward_batch([w.seq for w in trees.values()], hidden))) if trees else {}
-        features = {r: h for r, h in zip(trees, hidden or ()) if wants_hidden(r)}
+        logits, features = self.forward({r: w.seq for r, w in trees.items()})
         verify_s = time.perf_counter() - t
         if trees:
             sizes = [len(w.seq.tokens) for w in trees.values()]
             self.batch_tokens = sum(sizes)
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
-        committed = sum(self.commit(r, d, trees.get(r), logits.get(r), verify_s, features.get(r))
-                        for r, d in zip(decoding, drafts))
+        verifying = [r for r, d in drafts.items() if d.gated or r in logits]
+        committed = sum(self.each(verifying, lambda r: self.commit(r, drafts[r], trees.get(r), logits.get(r),
+                                                                   verify_s, features.get(r))).values())
         if switched:
             self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0)
         self.prefill(prefilling)
-        return done + self.retire([r for r in self.active if r.stop.reason is not None])
+        return done + self.retire([r for r in self.active if r.error is not None or r.stop.reason is not None])
+
+    def abort(self, e: Exception) -> list[Request]:
+        """After a step raised outside any one request's work (their state unknown): every active request fails
+        with `e` and leaves, slot freed; the waiting ones stay. Returns the ones that left."""
+        failed = list(self.active)
+        log.error("a step failed outside any one request's work: its requests %s fail",
+                  ", ".join(r.id for r in failed) or "(none)")
+        for r in failed:
+            r.error = e
+        return self.retire(failed)
+
+    def each(self, reqs: list[Request], work: Callable[[Request], object]) -> dict[Request, object]:
+        """work(r) for each request, by request; one that raises fails alone and is left out."""
+        out = {}
+        for r in reqs:
+            try:
+                out[r] = work(r)
+            except Exception as e:  # noqa: BLE001 - whatever it is, it is this request's
+                self.fail(r, e)
+        return out
+
+    def fail(self, r: Request, e: Exception) -> None:
+        """Fail one request alone: it leaves at the end of this step; the detail goes to the log, under its id."""
+        log.error("request %s failed; it leaves the batch, the others go on", r.id, exc_info=e)
+        r.error = e
+
+    def forward(self, seqs: dict[Request, SeqInput]) -> tuple[dict, dict]:
+        """ONE target forward over the requests' sequences -> their logits [r_b, V] and, for those whose drafter
+        wants them, hidden states [n_b, k*C], by request; a request whose own forward raises fails and is left
+        out (engines.isolation)."""
+        if not seqs:
+            return {}, {}
+        hidden = [] if any(wants_hidden(r) for r in seqs) else None
+        logits, features = {}, {}
+        for i, (r, out) in enumerate(zip(seqs, forward_each(self.engine, list(seqs.values()), hidden))):
+            if isinstance(out, Exception):
+                self.fail(r, out)
+                continue
+            logits[r] = out
+            if hidden is not None and wants_hidden(r):
+                features[r] = hidden[i]
+        return logits, features
 
     def admit(self) -> None:
         while self.waiting and (slot := self.pool.take()) is not None:
@@ -228,47 +283,67 @@ class EngineCore:
             r.finished = True
         return leaving
 
-    def propose(self, reqs: list[Request], drafting: bool = True) -> list[Draft]:
+    def propose(self, reqs: list[Request], drafting: bool = True) -> dict[Request, Draft]:
         """Each request's drafter proposes; the trees the verifier scores run through ONE verifier forward
         (verifier.score_batch; its time shared among them); then each request's candidates for the allotment.
         `drafting`: the draft switch's choice for this step; a sampled request ignores it (its seeded draws depend
-        on its trees, so they must not depend on timing or on the other requests)."""
+        on its trees, so they must not depend on timing or on the other requests). A request that fails in any of
+        it is left out."""
         plans = self.plan(reqs, drafting)
         scores: dict[Request, Scored] = {}
-        groups: dict[int, list[tuple[Request, Plan]]] = {}  # by verifier engine (a runtime's requests share one)
-        for r, p in zip(reqs, plans):
+        groups: dict[int, list[Request]] = {}  # by verifier engine (a runtime's requests share one)
+        for r, p in plans.items():
             if p.scoring:
-                groups.setdefault(id(r.verifier.engine), []).append((r, p))
+                groups.setdefault(id(r.verifier.engine), []).append(r)
         t = time.perf_counter()
         for group in groups.values():
-            jobs = [ScoreJob(r.verifier, r.target, r.behind, p.proposed, r.sched.recent,
-                             [*r.prompt_ids, *r.stop.tokens], len(r.prompt_ids)) for r, p in group]
-            scores.update(zip((r for r, _ in group), score_batch(jobs)))
+            scores.update(self.score(group, plans))
         score_s = (time.perf_counter() - t) / max(len(scores), 1)
-        return [self.draft(r, p, scores.get(r), score_s) for r, p in zip(reqs, plans)]
+        return self.each([r for r, p in plans.items() if r in scores or not p.scoring],
+                         lambda r: self.draft(r, plans[r], scores.get(r), score_s))
 
-    def plan(self, reqs: list[Request], drafting: bool) -> list[Plan]:
+    def score(self, reqs: list[Request], plans: dict[Request, Plan]) -> dict[Request, Scored]:
+        """The requests' trees scored in ONE verifier forward; if it raises, each alone (its rows dropped first),
+        so only a request whose own scoring raises fails."""
+        def job(r: Request) -> ScoreJob:
+            return ScoreJob(r.verifier, r.target, r.behind, plans[r].proposed, r.sched.recent,
+                            [*r.prompt_ids, *r.stop.tokens], len(r.prompt_ids))
+
+        try:
+            return dict(zip(reqs, score_batch([job(r) for r in reqs])))
+        except Exception as e:  # noqa: BLE001 - any failure: find the requests it belongs to
+            log.warning("scoring %d requests' trees together failed (%r): scoring each alone", len(reqs), e)
+        for r in reqs:
+            r.target.cache.forget(0)  # the verifier's rows; the target's own pending none (score_batch's contract)
+        return self.each(reqs, lambda r: score_batch([job(r)])[0])
+
+    def plan(self, reqs: list[Request], drafting: bool) -> dict[Request, Plan]:
         """Each request's proposal. Model drafters (`proposing`) run together: each draft depth of every request is
-        ONE batched forward of the draft engine (drafters.drive; its time shared among them); the others propose
-        one by one."""
-        speculate = [(drafting or not r.cfg.greedy) and r.drafter is not None and r.sched.speculate()
-                     for r in reqs]
+        ONE batched forward of the draft engine (drafters.drive_each; its time shared among them); the others
+        propose one by one. A request whose proposal raises fails and is left out."""
+        speculate = self.each(reqs, lambda r: (drafting or not r.cfg.greedy) and r.drafter is not None
+                              and r.sched.speculate())
         trees, seconds = {}, {}
-        for r, sp in zip(reqs, speculate):
+        for r, sp in speculate.items():
             if sp and not r.drafter.batched:
                 t = time.perf_counter()
-                trees[r] = r.drafter.propose(r.root, r.sched.shape())
+                trees.update(self.each([r], lambda r: r.drafter.propose(r.root, r.sched.shape())))
                 seconds[r] = time.perf_counter() - t
-        batched = [r for r, sp in zip(reqs, speculate) if sp and r not in trees]
+        batched = list(self.each([r for r, sp in speculate.items() if sp and r.drafter.batched],
+                                 lambda r: r.drafter.proposing(r.root, r.sched.shape())).items())
         t = time.perf_counter()
-        trees.update(zip(batched, drive([r.drafter.proposing(r.root, r.sched.shape()) for r in batched])))
-        seconds.update(dict.fromkeys(batched, (time.perf_counter() - t) / max(len(batched), 1)))
-        plans = []
-        for r, sp in zip(reqs, speculate):
-            gate = r.spec.gate_tau > 0
-            scoring = sp and (r.cfg.greedy or gate) and r.sched.use_verifier(r.can_score)
-            plans.append(Plan(trees[r] if sp else DraftTree.root_only(r.root), sp, scoring, seconds.get(r, 0.0)))
-        return plans
+        for (r, _), tree in zip(batched, drive_each([p for _, p in batched])):
+            if isinstance(tree, Exception):
+                self.fail(r, tree)
+            else:
+                trees[r] = tree
+        seconds.update(dict.fromkeys((r for r, _ in batched), (time.perf_counter() - t) / max(len(batched), 1)))
+        return self.each([r for r, sp in speculate.items() if r in trees or not sp],
+                         lambda r: self.plan_of(r, speculate[r], trees.get(r), seconds.get(r, 0.0)))
+
+    def plan_of(self, r: Request, speculate: bool, tree: DraftTree | None, seconds: float) -> Plan:
+        scoring = speculate and (r.cfg.greedy or r.spec.gate_tau > 0) and r.sched.use_verifier(r.can_score)
+        return Plan(tree if speculate else DraftTree.root_only(r.root), speculate, scoring, seconds)
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
         gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []
@@ -320,31 +395,32 @@ class EngineCore:
     def prefill(self, joining: list[Request]) -> None:
         """Run the next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all) in one forward;
         a request whose prompt is done picks its first token (free) and starts its drafter."""
-        left, chunks = self.cfg.prefill_tokens, []
+        left, chunks = self.cfg.prefill_tokens, {}
         for r in joining:
             n = min(len(r.prompt_ids) - r.prefilled, left)
             if n <= 0:
                 break
             last = r.prefilled + n == len(r.prompt_ids)  # the prompt's last chunk: its last row's logits only
-            chunks.append((r, chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
-                                          (n - 1,) if last else ())))
+            chunks |= self.each([r], lambda r: chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
+                                                           (n - 1,) if last else ()))
             left -= n
-        if not chunks:
+        logits, features = self.forward(chunks)  # logits [1 or 0, V]
+        self.each(list(logits), lambda r: self.prefilled(r, len(chunks[r].tokens), logits[r], features.get(r)))
+
+    def prefilled(self, r: Request, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """After a prompt chunk of `n` tokens ran (logits [1 or 0, V]; hidden [n, k*C] for a drafter that wants
+        them): keep its rows; after the last chunk, the first token."""
+        r.target.commit()
+        if hidden is not None:
+            r.drafter.observe(hidden)  # the chunk's [n, k*C]: its reset takes the whole prompt's
+        r.prefilled += n
+        if r.prefilled < len(r.prompt_ids):
             return
-        hidden = [] if any(wants_hidden(r) for r, _ in chunks) else None
-        out = self.engine.forward_batch([s for _, s in chunks], hidden)
-        for i, ((r, s), logits) in enumerate(zip(chunks, out)):  # logits [1 or 0, V]
-            r.target.commit()
-            if hidden is not None and wants_hidden(r):
-                r.drafter.observe(hidden[i])  # the chunk's [n, k*C]: its reset takes the whole prompt's
-            r.prefilled += len(s.tokens)
-            if r.prefilled < len(r.prompt_ids):
-                continue
-            r.root = pick(logits[-1], r.cfg.sampling, r.gen)
-            if r.drafter is not None:
-                r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.target)
-            r.stats.prefill_s = time.perf_counter() - r.t0
-            emit(r, [r.root], draft=0, accepted=0)
+        r.root = pick(logits[-1], r.cfg.sampling, r.gen)
+        if r.drafter is not None:
+            r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.target)
+        r.stats.prefill_s = time.perf_counter() - r.t0
+        emit(r, [r.root], draft=0, accepted=0)
 
 
 def wants_hidden(r: Request) -> bool:

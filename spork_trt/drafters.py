@@ -27,6 +27,7 @@ import torch
 from .config import SamplingConfig, SpecConfig
 from .datastore import KEY, Datastore
 from .engines import SeqInput, chain_input, prefill
+from .engines.isolation import forward_each
 from .sampling import processed_probs
 from .tree import DraftTree, covered
 from .verify import Verdict
@@ -149,8 +150,19 @@ Proposing = Generator[tuple[object, SeqInput], torch.Tensor, DraftTree]
 
 def drive(proposals: list[Proposing]) -> list[DraftTree]:
     """Run proposals together: each round, the forwards they ask of one engine run as ONE batched forward
-    (`forward_batch`); a proposal that needs fewer depths finishes early. Returns their trees in order."""
-    trees: list[DraftTree | None] = [None] * len(proposals)
+    (`forward_batch`); a proposal that needs fewer depths finishes early. Returns their trees in order; raises the
+    first proposal's error, if any (drive_each keeps the others)."""
+    trees = drive_each(proposals)
+    for t in trees:
+        if isinstance(t, Exception):
+            raise t
+    return trees
+
+
+def drive_each(proposals: list[Proposing]) -> list[DraftTree | Exception]:
+    """`drive`, where a proposal that raises (or whose forward alone raises: engines.isolation) ends with its
+    exception in its place and the others go on."""
+    trees: list[DraftTree | Exception | None] = [None] * len(proposals)
     asks: dict[int, tuple[object, SeqInput]] = {}
 
     def advance(i: int, logits: torch.Tensor | None) -> None:
@@ -158,6 +170,8 @@ def drive(proposals: list[Proposing]) -> list[DraftTree]:
             asks[i] = proposals[i].send(logits)
         except StopIteration as done:
             trees[i] = done.value
+        except Exception as e:  # noqa: BLE001 - this proposal's own failure
+            trees[i] = e
 
     for i in range(len(proposals)):
         advance(i, None)
@@ -167,8 +181,11 @@ def drive(proposals: list[Proposing]) -> list[DraftTree]:
         for i, (eng, seq) in current.items():
             groups.setdefault(id(eng), (eng, []))[1].append((i, seq))
         for eng, items in groups.values():
-            for (i, _), logits in zip(items, eng.forward_batch([seq for _, seq in items])):
-                advance(i, logits)
+            for (i, _), logits in zip(items, forward_each(eng, [seq for _, seq in items])):
+                if isinstance(logits, Exception):  # the proposal is left unfinished
+                    trees[i] = logits
+                else:
+                    advance(i, logits)
     return trees
 
 

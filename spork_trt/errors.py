@@ -1,4 +1,5 @@
-"""The one exception type for bad user input: the CLI prints its message on one line and exits 2."""
+"""The exceptions a front end answers with: bad user input (the CLI prints its message on one line and exits 2), a
+full server, an internal failure (named by the request's id only)."""
 from __future__ import annotations
 
 
@@ -22,3 +23,12 @@ class FieldError(UserError):
 
 class QueueFull(Exception):
     """Every slot is in use and the wait queue is full: the server answers 'unavailable, retry later'."""
+
+
+class InternalError(Exception):
+    """A request failed on the server's side: the client's answer names the request's id and nothing else (the
+    detail is in the server's log under that id)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"internal error in request {request_id}: the server logged the detail (quote this id)")

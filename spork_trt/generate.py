@@ -38,6 +38,8 @@ def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> Generati
         new = r.take()
         if new and on_tokens is not None:
             on_tokens(new)
+    if r.error is not None:  # alone, its failure is the caller's
+        raise r.error
     return r.result()
 
 
@@ -56,4 +58,7 @@ def run_many(target, requests: Iterable[Request], slots: int, max_len: int) -> I
                 core.add(r)
         if core.idle:
             return
-        yield from core.step()
+        for r in core.step():
+            if r.error is not None:  # as one request alone would: a caller of many reads results, not errors
+                raise r.error
+            yield r

@@ -42,6 +42,12 @@ class Rows:
             self.length += len(rows)
         self.pending = 0
 
+    def forget(self, pending: int) -> None:
+        """Keep the first `pending` pending rows, forget the ones a forward wrote after them (a failed forward's: the
+        next forward writes those positions again)."""
+        assert 0 <= pending <= self.pending, (pending, self.pending)
+        self.pending = pending
+
     def adopt(self, other: Rows, n: int) -> bool:
         """Copy `other`'s first `n` committed rows of its first layers in as this cache's committed rows (a self-draft
         takes the target's prompt rows instead of running the prompt); False, nothing changed, when the two buffers

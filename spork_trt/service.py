@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from .config import GenerateConfig, SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore, Request
 from .cost_model import ema
 from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
-from .errors import FieldError, QueueFull, UserError
+from .errors import FieldError, InternalError, QueueFull, UserError
 from .io_spec import REQUEST_FIELDS, request_config
 from .runtime import Runtime
 from .stats import Stats
@@ -33,6 +34,9 @@ SERVED_MODES = ("spork", "plain")
 # tokens already sent that a response repeats before its new ones: enough to finish a multi-byte character split
 # across tokens (at most 4 bytes, each token at least one) and to decode the new tokens as they read in context
 DETOKENIZE_CONTEXT = 6  # the lossy gate mode is a local, opt-in experiment: never served
+
+SHUTTING_DOWN = "the server is shutting down: retry on another instance"
+LOOP_STOPPED = "the engine loop stopped (the server logged why): retry on another instance"
 
 Inputs = Mapping[str, "np.ndarray | None"]
 
@@ -199,6 +203,16 @@ class Ticket:
         return c
 
 
+def public_error(e: BaseException, request_id: str | None = None) -> Exception:
+    """What a client may see of `e`: bad input and a full (or stopped) server as they are; anything else is logged
+    here with its detail and answered as an InternalError naming only the request's id."""
+    if isinstance(e, (UserError, QueueFull, InternalError)):
+        return e
+    request_id = request_id or uuid.uuid4().hex[:12]
+    log.error("spork: request %s failed", request_id, exc_info=e)
+    return InternalError(request_id)
+
+
 def deliver(t: Ticket, fn: Callable, *args) -> None:
     """Answer through the transport; if it fails (the client is gone), the request leaves at the next step and the
     loop goes on."""
@@ -222,6 +236,7 @@ class Metrics:
     draft_tokens: int = 0  # draft tokens verified, all finished requests
     accepted_tokens: int = 0  # draft tokens accepted, all finished requests
     tokens_per_second: float = 0.0  # committed tokens per second over the last steps (moving average)
+    loop_up: int = 1  # 1 while the engine loop runs; 0 once it stopped (every request is then refused UNAVAILABLE)
 
 
 class Service:
@@ -242,6 +257,7 @@ class Service:
         self._tickets: dict[Request, Ticket] = {}
         self._wake = threading.Condition()
         self._stopping = False
+        self._down: str | None = None  # why the loop stopped (None while it runs); set under _wake
         self._thread = threading.Thread(target=self._loop, name="spork-core", daemon=True)
         self._thread.start()
 
@@ -260,6 +276,13 @@ class Service:
         return cls(rt, spec, core)
 
     @property
+    def healthy(self) -> bool:
+        """The engine loop runs: requests are served. False once it stopped (shut down, or died): every request
+        is refused UNAVAILABLE at once."""
+        with self._wake:
+            return self._down is None
+
+    @property
     def active(self) -> int:
         """Requests submitted and not yet answered."""
         with self._wake:
@@ -275,8 +298,8 @@ class Service:
         request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
         ticket = Ticket(request, req.stream, send, fail, close, cancelled)
         with self._wake:
-            if self._stopping:
-                raise QueueFull("the server is shutting down: retry on another instance")
+            if self._down is not None or self._stopping:
+                raise QueueFull(self._down or SHUTTING_DOWN)
             if len(self._inbox) + len(self.core.waiting) >= self.core.cfg.max_queue + len(self.core.pool.free):
                 raise QueueFull(f"all {self.core.pool.slots} slots are in use and {self.core.cfg.max_queue} "
                                 "requests wait for one (max_queue): retry later")
@@ -306,71 +329,94 @@ class Service:
         return outcome["ok"]
 
     def close(self) -> None:
-        """Stop the loop; every request not answered yet gets an error."""
+        """Stop the loop; every request not answered yet gets an error (the loop's last act)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         self._thread.join()
-        for t in [*self._inbox, *self._tickets.values()]:
-            deliver(t, t.fail, QueueFull("the server is shutting down: retry on another instance"))
-        self._inbox, self._tickets = [], {}
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self._inbox and self.core.idle:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                joining, self._inbox = self._inbox, []
-            for t in joining:
-                self._join(t)
-            for req, t in list(self._tickets.items()):
-                req.cancelled = req.cancelled or t.cancelled()
-            t0 = time.perf_counter()
+        """Step the core until closed. One iteration that raises fails the requests of its step (not the waiting
+        ones) and the loop goes on; if the loop stops anyway, the service turns unhealthy and answers everything."""
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self._inbox and self.core.idle:
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    joining, self._inbox = self._inbox, []
+                try:
+                    self._iterate(joining)
+                except Exception as e:  # noqa: BLE001 - outside any one request's work: its step's requests fail
+                    log.error("spork: an engine step failed; its requests fail, the waiting ones stay", exc_info=e)
+                    self._answer(self.core.abort(e), 0.0)
+        except BaseException as e:  # the loop is gone: say so, refuse everything from now on
+            log.critical("spork: the engine loop stopped", exc_info=e)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        """The loop's end: unhealthy from now on; every request not answered yet is answered UNAVAILABLE."""
+        with self._wake:
+            self._down = SHUTTING_DOWN if self._stopping else LOOP_STOPPED
+            self.metrics.loop_up = 0
+            pending, self._inbox, self._tickets = [*self._inbox, *self._tickets.values()], [], {}
+        for t in pending:
+            deliver(t, t.fail, QueueFull(self._down))
+
+    def _iterate(self, joining: list[Ticket]) -> None:
+        for t in joining:
+            self._join(t)
+        for req, t in list(self._tickets.items()):
             try:
-                finished = self.core.step()
-            except Exception as e:  # an engine failure: answer every request in flight, keep serving
-                finished = self._fail_all(e)
-            self._answer(finished, time.perf_counter() - t0)
+                req.cancelled = req.cancelled or t.cancelled()
+            except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
+                req.cancelled = True
+                log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.id, e)
+        t0 = time.perf_counter()
+        finished = self.core.step()
+        self._answer(finished, time.perf_counter() - t0)
 
     def _join(self, t: Ticket) -> None:
         try:
             self.core.add(t.request)
         except Exception as e:  # noqa: BLE001 - bad input, a full queue, or a bug: this request's answer
-            deliver(t, t.fail, e)
+            deliver(t, t.fail, public_error(e, t.request.id))
             return
         self._tickets[t.request] = t
-
-    def _fail_all(self, e: Exception) -> list[Request]:
-        failed = [*self.core.active, *self.core.waiting]
-        for r in failed:
-            r.cancelled = True
-        self.core.step()  # retires them all, giving their slots back
-        for r in failed:
-            t = self._tickets.pop(r)
-            deliver(t, t.fail, e)
-        return []
 
     def _answer(self, finished: list[Request], step_s: float) -> None:
         m, new_tokens = self.metrics, 0
         for req, t in list(self._tickets.items()):
-            new = req.take()
-            new_tokens += len(new)
-            t.generated += new
-            if req in finished:
-                del self._tickets[req]
-                m.draft_tokens += req.stats.draft_tokens
-                m.accepted_tokens += req.stats.accepted_tokens
-                res = req.result()
-                if res.stop_reason == "cancelled":
-                    deliver(t, t.close)
-                else:
-                    deliver(t, t.send, t.chunk(True, req.stats, res.stop_reason))
-            elif t.stream and new:
-                deliver(t, t.send, t.chunk(False, req.stats, ""))
+            try:
+                new_tokens += self._answer_one(req, t, req in finished)
+            except Exception as e:  # noqa: BLE001 - answering this request failed: it fails alone
+                self._tickets.pop(req, None)
+                req.cancelled = True  # leaves the core at the next step, if it has not
+                deliver(t, t.fail, public_error(e, req.id))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
         m.active_steps += len(self.core.active) + len(finished)
         m.generated_tokens += new_tokens
         m.tokens_per_second = ema(m.tokens_per_second or None, new_tokens / max(step_s, 1e-9))
+
+    def _answer_one(self, req: Request, t: Ticket, finished: bool) -> int:
+        """Send one request what this step gave it; returns its new tokens."""
+        new = req.take()
+        t.generated += new
+        if req.error is not None:  # the core failed it alone and logged the detail under its id
+            del self._tickets[req]
+            deliver(t, t.fail, InternalError(req.id))
+        elif finished:
+            del self._tickets[req]
+            self.metrics.draft_tokens += req.stats.draft_tokens
+            self.metrics.accepted_tokens += req.stats.accepted_tokens
+            res = req.result()
+            if res.stop_reason == "cancelled":
+                deliver(t, t.close)
+            else:
+                deliver(t, t.send, t.chunk(True, req.stats, res.stop_reason))
+        elif t.stream and new:
+            deliver(t, t.send, t.chunk(False, req.stats, ""))
+        return len(new)

@@ -5,7 +5,7 @@ A thin adapter: the logic is spork_trt.service.decode_chunk (tested without Trit
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import decode_chunk, model_tokenizer
+from spork_trt.service import decode_chunk, model_tokenizer, public_error
 
 
 class TritonPythonModel:
@@ -20,8 +20,8 @@ class TritonPythonModel:
                                     for n in ("output_ids", "sent_len", "final"))
                 text = decode_chunk(self.tok, ids, sent, final)  # [1, 1] bytes
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
-            except Exception as e:
+            except Exception as e:  # bad input as it is; anything else by its id only (the detail logged under it)
                 code = pb_utils.TritonError.INVALID_ARG if isinstance(e, UserError) else pb_utils.TritonError.INTERNAL
-                pb_utils.Logger.log_error(f"postprocessing: {e!r}")
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {e}", code)))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"postprocessing: {public_error(e)}", code)))
         return responses

@@ -3,7 +3,7 @@ A thin adapter: the logic is spork_trt.service.encode_text (tested without Trito
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import encode_text, model_tokenizer
+from spork_trt.service import encode_text, model_tokenizer, public_error
 
 
 class TritonPythonModel:
@@ -20,7 +20,7 @@ class TritonPythonModel:
             except UserError as e:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-            except Exception as e:
-                pb_utils.Logger.log_error(f"preprocessing: {e!r}")
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"preprocessing: {e!r}")))
+            except Exception as e:  # its id only: the detail is logged under it
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"preprocessing: {public_error(e)}", pb_utils.TritonError.INTERNAL)))
         return responses

@@ -1,8 +1,10 @@
 """Triton python model `spork` (decoupled): one engine core per instance steps every request together; a request
 joins the running batch, streams its chunks through its response sender, and leaves when done or cancelled (the
 client went away or cancelled the stream: its slot is free at the next step). With every slot taken, requests queue
-up to max_queue; beyond that they are answered UNAVAILABLE. Custom Prometheus metrics on the metrics port. A thin
-adapter: the logic is spork_trt.service (tested without Triton)."""
+up to max_queue; beyond that they are answered UNAVAILABLE. A request that fails fails alone, answered with its id
+only (the detail in the log). If the engine loop stops, every request is answered UNAVAILABLE at once and the gauge
+spork_engine_loop_up turns 0 (a python model cannot turn its own readiness off). Custom Prometheus metrics on the
+metrics port. A thin adapter: the logic is spork_trt.service (tested without Triton)."""
 import threading
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 from spork_trt import io_spec
 from spork_trt.core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
-from spork_trt.service import Service, instance_device, model_parameters
+from spork_trt.service import Service, instance_device, model_parameters, public_error
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -22,6 +24,8 @@ METRICS = (  # (name, kind, help, Metrics field)
     ("spork_tokens_per_second", "GAUGE", "committed tokens per second, all requests (moving average)",
      "tokens_per_second"),
     ("spork_acceptance_rate", "GAUGE", "accepted / verified draft tokens of the finished requests", None),
+    ("spork_engine_loop_up", "GAUGE", "1 while the engine loop runs; 0 once it stopped (requests refused UNAVAILABLE)",
+     "loop_up"),
     ("spork_steps_total", "COUNTER", "engine core steps", "steps"),
     ("spork_active_request_steps_total", "COUNTER", "requests in each step, summed over steps", "active_steps"),
     ("spork_generated_tokens_total", "COUNTER", "tokens committed, all requests", "generated_tokens"),
@@ -33,12 +37,12 @@ def response(chunk):
 
 
 def error_response(e):
+    e = public_error(e)  # never an internal exception's text: its detail is logged under the id the client gets
     if isinstance(e, UserError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
     if isinstance(e, QueueFull):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.UNAVAILABLE))
-    pb_utils.Logger.log_error(f"spork: request failed: {e!r}")
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e!r}"))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INTERNAL))
 
 
 class TritonPythonModel:
