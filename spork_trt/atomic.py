@@ -74,7 +74,7 @@ def folder(dest: str | Path) -> Iterator[Path]:
     """`with atomic.folder(dest) as tmp:` fill the new, empty folder `tmp` (beside `dest`); it replaces `dest` whole
     when the block ends (replace_dir), and is removed if the block raises (`dest` is then untouched). Folders that
     killed writers left beside `dest` are removed first (sweep)."""
-    dest = Path(dest)
+    dest = Path(dest).resolve()  # a symlink's target is replaced, beside it (the same filesystem)
     dest.parent.mkdir(parents=True, exist_ok=True)
     sweep(dest)
     tmp = temp_name(dest, "tmp")

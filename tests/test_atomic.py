@@ -184,3 +184,13 @@ def test_a_rebuild_keeps_what_the_user_made_and_drops_what_it_no_longer_builds(t
     assert "confidence_head-ngram.json" not in m["artifacts"]  # recalibrating never breaks the build's manifest
     tiny_build(tiny_source, out)  # up to date: reused as it is
     assert contents(out)["target.onnx"] == mf.sha256(out / "target.onnx") and hidden(tmp_path) == []
+
+
+def test_a_folder_is_replaced_where_the_filesystem_cannot_exchange_names(tmp_path, monkeypatch):
+    """Without renameat2 (another OS, an old libc): two renames, the same result."""
+    monkeypatch.setattr(atomic.ctypes, "CDLL", lambda *a, **k: object())
+    dest = tmp_path / "cache"
+    for text in ("1", "2"):
+        with atomic.folder(dest) as tmp:
+            (tmp / "a").write_text(text)
+    assert (dest / "a").read_text() == "2" and hidden(tmp_path) == []
