@@ -118,6 +118,8 @@ def test_verify_catches_a_same_size_change(built):
     Runtime.from_engines(built)  # sizes match: the cheap check passes
     with pytest.raises(UserError, match="sha256.*" + FIX):
         Runtime.from_engines(built, verify=True)
+    with pytest.raises(UserError, match="sha256.*" + FIX):  # `serve --verify`
+        ensure_rendered(RepoConfig(built), verify=True)
     r = subprocess.run([sys.executable, "-m", "spork_trt", "generate", "hi", "--engines", str(built), "--verify"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--force" in r.stderr and "Traceback" not in r.stderr
