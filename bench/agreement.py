@@ -16,6 +16,7 @@ from spork_trt.config import GenerateConfig
 from spork_trt.draft_kinds import SELF, named
 from spork_trt.engines import forward_chain, prefill
 from spork_trt.errors import UserError
+from spork_trt import atomic
 from spork_trt import manifest as mf
 from spork_trt.runtime import Runtime
 
@@ -91,7 +92,7 @@ def main(a) -> int:
            "threads": torch.get_num_threads(), "rows": rows, "head": heads}
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "agreement.json").write_text(json.dumps(out, indent=1))
+        atomic.write_text(Path(a.out) / "agreement.json", json.dumps(out, indent=1))
     tables = [t for t in (rows and table(rows), heads and head_table(heads)) if t]
     print(json.dumps(out) if a.json else "\n\n".join(tables))
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spork_trt import atomic
 from spork_trt.admission import size_request
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import UserError
@@ -176,9 +177,9 @@ def main(args) -> int:
     meta = {"git_sha": git_sha(), "engines": str(args.engines), "draft": spec.draft, "prompts": args.prompts,
             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
             "machine": platform.processor() or platform.machine()}
-    (out / "core_runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "core_summary.json").write_text(json.dumps({"meta": meta, "levels": summary}, indent=1))
-    (out / "core_summary.md").write_text(markdown(meta, summary))
+    atomic.write_text(out / "core_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic.write_text(out / "core_summary.json", json.dumps({"meta": meta, "levels": summary}, indent=1))
+    atomic.write_text(out / "core_summary.md", markdown(meta, summary))
     print(markdown(meta, summary))
     return 0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from spork_trt import atomic
 from spork_trt import manifest as mf
 from spork_trt.engines import chain_input, load_engine
 from spork_trt.errors import UserError
@@ -100,9 +101,7 @@ def main(a) -> int:
                "rows": [asdict(r) for r in rows]}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "fidelity.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(out / "fidelity.json")
+    atomic.write_text(out / "fidelity.json", json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary) if a.json else "\n".join(table))
     print(f"[bench] {len(texts)} chunks of {a.tokens} tokens from {', '.join(MODULES)}; {out / 'fidelity.json'}",
           file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spork_trt import atomic
 from spork_trt.errors import UserError
 
 from .run import command, run_arms, summarize
@@ -67,7 +68,7 @@ def main(a) -> int:
     result = {"draft": a.draft, "lossless_speedup": lossless, "points": points,
               "git_sha": summary["arms"][0]["git_sha"], "machine": summary["arms"][0]["machine"],
               "command": command()}
-    (out / "gate.json").write_text(json.dumps(result, indent=1))
+    atomic.write_text(out / "gate.json", json.dumps(result, indent=1))
     png = plot(points, lossless, out / "gate.png")
     if a.json:
         print(json.dumps(result))

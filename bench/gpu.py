@@ -26,6 +26,7 @@ from spork_trt.drafters import NgramDrafter, StoreDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.device_engine import DeviceEngine
 from spork_trt.engines.torch_engine import TorchEngine
+from spork_trt import atomic
 from spork_trt import manifest as mf
 from spork_trt.export.artifacts import load_corpus, shipped
 from spork_trt.generate import generate, run_many
@@ -140,6 +141,6 @@ def main(a) -> int:
                       "x_batch_1": round(tokens / s / plain["tokens_per_s"], 2),
                       "identical_to_batch_1": sum(r.result().token_ids == plain["outputs"][reqs.index(r)]
                                                   for r in done)}
-    (out / "gpu_check.json").write_text(json.dumps(res, indent=1) + "\n")
+    atomic.write_text(out / "gpu_check.json", json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
     return 0

@@ -321,7 +321,9 @@ def main() -> int:
     import os
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    from spork_trt import atomic
+
+    with atomic.open(args.out) as f:
         json.dump(dict(meta=meta, rows=rows, table=table), f, indent=1)
     print(f"wrote {args.out}")
     return 0 if ok else 1

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from spork_trt import atomic
 from spork_trt.errors import UserError
 
 from .gate import table as gate_table
@@ -39,7 +39,8 @@ def finish(fig, axes, path: Path, fontsize: int = 8) -> Path:
     for ax in axes:
         ax.legend(fontsize=fontsize)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic.open(path, "wb") as fh:
+        fig.savefig(fh, format=path.suffix[1:] or "png", dpi=100)
     plt().close(fig)
     return path
 
@@ -158,13 +159,13 @@ def build(runs: list[Path], serve: Path | None, gate: Path | None, out: Path) ->
     if gate is not None:
         g = json.loads((gate / "gate.json").read_text())
         png = out / "gate.png"
-        shutil.copyfile(gate / "gate.png", png)
+        atomic.copy_file(gate / "gate.png", png)
         parts += [f"**Gate mode (lossy)**, drafter {g['draft']}, git sha {g['git_sha']}; "
                   f"`{g.get('command', 'python -m bench gate')}`:", "", gate_table(g["points"])]
         parts += ["", "Lossless spork in the same run: " + ", ".join(
             f"{k} {v:.2f}x" for k, v in g["lossless_speedup"].items()) + ".", "", f"![gate mode]({rel(png)})", ""]
     text = "\n".join(parts)
-    (out / "report.md").write_text(text)
+    atomic.write_text(out / "report.md", text)
     return text
 
 
@@ -177,7 +178,7 @@ def splice(readme: Path, text: str) -> None:
     if BEGIN not in s or END not in s:
         raise UserError(f"{readme} has no generated block: add the lines {BEGIN!r} and {END!r} where it goes")
     head, rest = s.split(BEGIN, 1)
-    readme.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    atomic.write_text(readme, head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
 
 
 def main(a) -> int:

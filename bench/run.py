@@ -13,6 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from spork_trt import atomic
 from spork_trt.errors import UserError
 
 from .arms import parse_arm
@@ -211,7 +212,7 @@ def main(a) -> int:
         a.arms = ["plain"] + a.arms  # every speedup is measured against plain in the same run
     files = run_arms(a)
     summary = {**summarize(files), "command": command()}
-    (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
-    (Path(a.out) / "summary.md").write_text(table(summary) + "\n")
+    atomic.write_text(Path(a.out) / "summary.json", json.dumps(summary, indent=1))
+    atomic.write_text(Path(a.out) / "summary.md", table(summary) + "\n")
     print(json.dumps(summary) if a.json else table(summary))
     return 1 if any(x["lossless_mismatches"] for x in summary["arms"]) else 0  # None (peers) is falsy

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from spork_trt import atomic
 from spork_trt.client import ClientConfig, query
 from spork_trt.errors import UserError
 
@@ -246,8 +247,8 @@ def main(a) -> int:
     for r in summary["levels"]:
         r.pop("texts")
     summary["command"] = command()
-    (out / "serve_summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "serve_summary.md").write_text(table(summary) + "\n")
+    atomic.write_text(out / "serve_summary.json", json.dumps(summary, indent=1))
+    atomic.write_text(out / "serve_summary.md", table(summary) + "\n")
     from .report import latency_plot
 
     latency_plot(summary, out / "serve.png")

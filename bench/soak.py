@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spork_trt import atomic
 from spork_trt.client import ClientConfig, query
 from spork_trt.errors import UserError
 
@@ -158,7 +159,7 @@ def main(a) -> int:
                "slots_in_use_after": slots, "rss_after_warmup_mb": warm, "rss_end_mb": rss[-1][1],
                "rss_growth_after_warmup": round(rss[-1][1] / warm - 1, 4), "rss_samples": rss,
                "command": command()}
-    (out / "soak.json").write_text(json.dumps(summary, indent=1))
+    atomic.write_text(out / "soak.json", json.dumps(summary, indent=1))
     plot(rss, out / "soak_rss.png")
     c = tally.counts
     print(json.dumps(summary) if a.json else

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import resource
 import sys
 import time
 from pathlib import Path
 
+from spork_trt import atomic
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.io_spec import request_config
@@ -76,8 +76,7 @@ def main(a) -> int:
     ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
     run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling))  # warm-up
     Path(a.out).unlink(missing_ok=True)  # a failed rerun leaves no earlier run's records to be read as its own
-    part = Path(f"{a.out}.{os.getpid()}.part")  # renamed to --out when complete: never a partial record file
-    with open(part, "w") as fh:
+    with atomic.open(a.out) as fh:  # --out appears when complete: never a partial record file
         for r, p in tqdm(list(zip(rows, ids)), desc=arm.name, file=sys.stderr, leave=False):
             t = time.perf_counter()
             token_ids, st = run(p, cfg)
@@ -94,5 +93,4 @@ def main(a) -> int:
                                  "token_ids": token_ids}) + "\n")
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         fh.write(json.dumps({**common, "peak_rss_mb": peak_mb}) + "\n")
-    os.replace(part, a.out)
     return 0

@@ -272,9 +272,7 @@ def inspect(a) -> int:
     from spork_trt import manifest as mf
 
     d = Path(a.engines)
-    m = mf.read(d)
-    if a.verify:
-        mf.verify_artifacts(d, m)
+    m = mf.read(d, verify=a.verify)
     if a.json:
         print(json.dumps(m, indent=1))
         return 0

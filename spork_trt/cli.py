@@ -67,6 +67,8 @@ def build_parser() -> Parser:
                    help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")
+    g.add_argument("--verify", action="store_true",
+                   help="with --engines: check every artifact's sha256 against the manifest first (sizes always are)")
     for f in REQUEST_FIELDS:  # the request's settings: names, limits and defaults from io_spec and the configs
         if f.field == "stop_strings":
             g.add_argument(f.flag, dest=f.field, action="append", metavar="STR", help=f.help)
@@ -119,7 +121,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.engines and a.device != "cpu":
         raise UserError("--device cuda runs the target from --model (the device engine); --engines are ONNX Runtime "
                         "builds: pass one or the other")
-    rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model, a.device, a.dtype)
+    if a.verify and not a.engines:
+        raise UserError("--verify checks a build's artifacts: pass --engines DIR")
+    rt = Runtime.from_engines(a.engines, verify=a.verify) if a.engines else Runtime.load(a.model, a.device, a.dtype)
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import UserError
 from .tree import covered
 
@@ -46,8 +47,9 @@ class Datastore:
 
     def save(self, d: Path) -> list[Path]:
         d.mkdir(parents=True, exist_ok=True)
-        np.save(d / TOKENS, self.tokens)
-        np.save(d / SUFFIXES, self.sa)
+        for name, a in ((TOKENS, self.tokens), (SUFFIXES, self.sa)):
+            with atomic.open(d / name, "wb") as fh:
+                np.save(fh, a)
         return [d / TOKENS, d / SUFFIXES]
 
     @classmethod

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import atomic
 from .config import ModelConfig
 from .errors import UserError
 from .model import MLP, Attention, Block, KVStore, RMSNorm, mask_bias, rope_cos_sin, rope_inv_freq
@@ -142,8 +143,8 @@ class DraftHead(nn.Module):
 
         d.mkdir(parents=True, exist_ok=True)
         tensors = {k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(d / HEAD_FILE), metadata={"config": json.dumps(asdict(self.hc)),
-                                                          "meta": json.dumps(meta)})
+        with atomic.path(d / HEAD_FILE) as tmp:
+            save_file(tensors, str(tmp), metadata={"config": json.dumps(asdict(self.hc)), "meta": json.dumps(meta)})
         return d / HEAD_FILE
 
 

@@ -14,11 +14,11 @@ kubernetes-validate and yamllint.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import atomic
 from .errors import UserError
 
 NAME = "spork-trt"
@@ -199,8 +199,6 @@ def render(cfg: K8sConfig) -> list[Path]:
     for rel, doc in files.items():
         path = cfg.out / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text("---\n" + dump(doc))
-        tmp.replace(path)  # atomic: a reader never sees half a file
+        atomic.write_text(path, "---\n" + dump(doc))
         written.append(path)
     return written

@@ -1,5 +1,6 @@
 """engines/<name>/manifest.json: what was built, from what, with which tools, each engine's backend; the build
-writes it, the runtime reads it and refuses a mismatch. It stands under both (config and errors only)."""
+writes it, the runtime reads it and refuses a mismatch. It stands under both (config, errors and atomic
+only)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from . import atomic
 from .config import ModelConfig, RopeScaling
 from .errors import UserError
 
@@ -63,29 +65,33 @@ def spec_config(d: dict) -> ModelConfig:
 
 
 def write(out: Path, manifest: dict) -> Path:
-    path = out / MANIFEST
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
-    return path
+    return atomic.write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
-def read(engines: Path) -> dict:
+def read(engines: Path, verify: bool = False) -> dict:
+    """The manifest of the build in `engines`, refused (one line naming the fix) unless it is whole and matches
+    its files: every artifact it lists is there with its recorded size (a stat each: always) and sha256 (reads every
+    byte: when `verify`). Every loader of a build reads it here, so no half-written build is ever loaded."""
     path = engines / MANIFEST
+    fix = f"rebuild with `python -m export build --out {engines} --force`"
     if not path.is_file():
-        raise UserError(f"{engines} has no {MANIFEST}: build engines first with `python -m export build --out "
-                        f"{engines}`")
-    m = json.loads(path.read_text())
-    if m.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path} has format_version {m.get('format_version')}, this runtime reads "
-                        f"{FORMAT_VERSION}: rebuild with `python -m export build --out {engines} --force`")
-    return m
-
-
-def verify_artifacts(engines: Path, manifest: dict) -> None:
-    """Check every artifact's sha256 against the manifest (slow for big files: used by `inspect --verify`)."""
-    for name, entry in manifest["artifacts"].items():
+        raise UserError(f"{engines} has no {MANIFEST} (not a build, or one that never finished): {fix}")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is torn (not valid JSON): {fix}") from None
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path} has format_version {m.get('format_version') if isinstance(m, dict) else None}, "
+                        f"this runtime reads {FORMAT_VERSION}: {fix}")
+    for name, entry in m.get("artifacts", {}).items():
         p = engines / name
-        if not p.is_file() or sha256(p) != entry["sha256"]:
-            raise UserError(f"{p} is missing or does not match its manifest hash: rebuild with --force")
+        if not p.is_file():
+            raise UserError(f"{p} is missing ({MANIFEST} lists it): {fix}")
+        if entry.get("bytes") not in (None, p.stat().st_size):  # manifests always recorded bytes; None: hand-made
+            raise UserError(f"{p} has {p.stat().st_size} bytes, {MANIFEST} records {entry['bytes']}: {fix}")
+        if verify and sha256(p) != entry["sha256"]:
+            raise UserError(f"{p} does not match its sha256 in {MANIFEST}: {fix}")
+    return m
 
 
 def engine_backend(entry: dict) -> str:

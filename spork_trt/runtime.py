@@ -99,17 +99,19 @@ class Runtime:
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                     load_head: bool = True, device: str | None = None, dtype: str = "bf16") -> Runtime:
+                     load_head: bool = True, device: str | None = None, dtype: str = "bf16", verify: bool = False
+                     ) -> Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
         `load_head`). `device` (cuda; cpu runs the same code eagerly): the target runs on the device engine from
         the build's source checkpoint in `dtype`, the build's tokenizer, datastore and draft head around it (no
-        early-layer verifier: its engine reads the target's cache)."""
+        early-layer verifier: its engine reads the target's cache). A build whose files do not match its manifest
+        is refused (sizes; sha256 too when `verify`: manifest.read)."""
         from .engines import load_engine
         from . import manifest as mf
 
         d = Path(engines)
-        m = mf.read(d)
+        m = mf.read(d, verify)
         cfg = mf.spec_config(m["model"])
         tok = load_tokenizer(d, "hf", cfg.eos_token_ids)
         built = m["engines"]

@@ -264,9 +264,10 @@ class Service:
     @classmethod
     def load(cls, engines: Path, draft: str = AUTO_DRAFT,
              providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8),
-             device: str | None = None, dtype: str = "bf16") -> Service:
-        """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`."""
-        rt = Runtime.from_engines(engines, providers, device=device, dtype=dtype)
+             device: str | None = None, dtype: str = "bf16", verify: bool = False) -> Service:
+        """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`; `verify`: check every
+        artifact's sha256 first (sizes are always checked)."""
+        rt = Runtime.from_engines(engines, providers, device=device, dtype=dtype, verify=verify)
         spec = rt.resolve(SpecConfig.for_draft(draft))
         draft = parse_draft(spec.draft, rt.cfg.n_layers)
         if ENGINE in draft.kind.needs:

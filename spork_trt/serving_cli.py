@@ -38,6 +38,8 @@ def add_serving_commands(sub) -> None:
                        formatter_class=fmt, description="Start tritonserver, wait until ready, serve until Ctrl-C.")
     s.add_argument("--repo", default=None, help="model repository (default: ENGINES/triton_repo, rendered if absent)")
     s.add_argument("--engines", default=str(RepoConfig.engines), help="engines folder (default: %(default)s)")
+    s.add_argument("--verify", action="store_true", help="check every artifact's sha256 against the build's manifest "
+                   "before starting (sizes are always checked, here and by each model instance)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
@@ -84,9 +86,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .serve import ServerConfig, TritonServer
     from .triton_repo import RepoConfig, engines_of, ensure_rendered, is_rendered
 
+    if a.verify and a.repo:
+        raise UserError("--verify checks the build of --engines before rendering its repository: drop --repo (or "
+                        "check a build with `python -m export inspect DIR --verify`)")
     if a.drain_timeout <= 0:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
-    repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)))
+    repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)), verify=a.verify)
     cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None,
                        drain_timeout_s=a.drain_timeout)
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM and SIGHUP (terminal closed) drain as Ctrl-C does

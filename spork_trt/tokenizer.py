@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import atomic
 from .errors import UserError
 
 
@@ -78,7 +79,8 @@ def load_tokenizer(path: Path, kind: str, eos_ids: tuple[int, ...] = ()) -> Toke
                 hf = AutoTokenizer.from_pretrained(str(cache))
             else:
                 hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-                hf.save_pretrained(str(cache))
+                with atomic.folder(cache) as tmp:  # a cache is whole or absent
+                    hf.save_pretrained(str(tmp))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read a tokenizer from {path} ({e}); it must hold tokenizer files or GGUF "
                         "tokenizer metadata") from None

@@ -8,12 +8,11 @@ OUT/ensemble/{config.pbtxt,1/}, plus the unary twins `spork_unary` and `ensemble
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import io_spec
+from . import atomic, io_spec
 from .config import DEVICE_DTYPES, SpecConfig
 from .draft_kinds import AUTO_DRAFT
 from .errors import UserError
@@ -126,9 +125,13 @@ def adapters_current(repo: Path) -> bool:
                for name in (*{s.name for s in io_spec.TRITON_STEPS}, *io_spec.ENTRY_POINTS.values()))
 
 
-def ensure_rendered(cfg: RepoConfig) -> Path:
+def ensure_rendered(cfg: RepoConfig, verify: bool = False) -> Path:
     """The repository, rendered first if it is absent or its adapters are from another version of spork_trt (an
-    existing current one, maybe edited by hand, is kept)."""
+    existing current one, maybe edited by hand, is kept); refused if the build is not whole (manifest.read: sizes,
+    sha256 too when `verify`)."""
+    from . import manifest as mf
+
+    mf.read(cfg.engines, verify)
     if is_rendered(cfg.repo) and adapters_current(cfg.repo):
         return cfg.repo
     if is_rendered(cfg.repo):
@@ -187,7 +190,7 @@ def render(cfg: RepoConfig) -> Path:
     for c, template in configs:
         d = repo / c.name
         (d / "1").mkdir(parents=True, exist_ok=True)
-        (d / "config.pbtxt").write_text(text_format.MessageToString(c))
+        atomic.write_text(d / "config.pbtxt", text_format.MessageToString(c))
         if template:
-            shutil.copyfile(TEMPLATES / template / "model.py", d / "1" / "model.py")
+            atomic.copy_file(TEMPLATES / template / "model.py", d / "1" / "model.py")
     return repo

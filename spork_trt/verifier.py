@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import atomic
 from .draft_kinds import NGRAM
 from .engines import SeqInput
 from .errors import UserError
@@ -66,8 +67,8 @@ class ConfidenceHead:
         return 1.0 / (1.0 + np.exp(-z))
 
     def save(self, path: Path) -> Path:
-        path.write_text(json.dumps({"format_version": 1, "features": list(FEATURES), **asdict(self)}, indent=1))
-        return path
+        return atomic.write_text(path, json.dumps({"format_version": 1, "features": list(FEATURES), **asdict(self)},
+                                                  indent=1))
 
     @classmethod
     def load(cls, path: Path) -> ConfidenceHead:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import atomic
 from .. import manifest as mf
 from ..datastore import SEP, Datastore, join
 from ..errors import UserError
@@ -64,11 +65,12 @@ def pack(data: Path, out: Path) -> Path:
     seqs = corpus_sequences(data)
     tokens = join(seqs)
     out.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out / CORPUS, tokens=tokens)
+    with atomic.open(out / CORPUS, "wb") as fh:
+        np.savez_compressed(fh, tokens=tokens)
     manifest = {"target_sha256": recipe["target_sha256"], "recipe": recipe, "sequences": len(seqs),
                 "tokens": int(len(tokens) - len(seqs)), "corpus_sha256": mf.sha256(out / CORPUS),
                 "reproduce": reproduce(recipe)}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic.write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     print(f"[pack] {out / CORPUS}: {len(seqs)} sequences, {manifest['tokens']} tokens, "
           f"{(out / CORPUS).stat().st_size / 1e6:.1f} MB", file=sys.stderr)
     return out

@@ -3,12 +3,18 @@ TensorRT plans of the target and verifier with --backend tensorrt).
 
 Idempotent: an artifact whose recorded inputs (source checkpoint hash, build options, tool versions) and own hash
 match the existing manifest is reused; --force rebuilds everything.
+
+Atomic: a build is written into a temporary folder beside the output and replaces it whole at the end (atomic.folder),
+so a build that fails or is killed at any point leaves the previous one as it was, and a loader never sees a mix
+(manifest.read refuses a folder whose files do not match its manifest).
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -17,13 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import io_spec
+from .. import atomic, io_spec
 from .. import manifest as mf
 from ..config import VERIFIER_LAYERS
 from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
 from ..draft_kinds import EAGLE, EARLY_EXIT, NGRAM, QUANTS, SELF, SELF_DRAFTS, STORE, DraftSpec, is_kind, parse_draft
 from ..errors import UserError
+from ..verifier import HEAD_GLOB
 from ..weights import default_gguf_path, load_checkpoint
 from . import tensorrt as trt_build
 from .artifacts import build_store, head_source, store_source, text_file
@@ -84,7 +91,6 @@ def calibration_signature() -> str:
 def build(cfg: BuildConfig) -> Path:
     trt_cfg = check(cfg)
     out = cfg.out
-    out.mkdir(parents=True, exist_ok=True)
     source = Path(cfg.model) if cfg.model else default_gguf_path()
     t0 = time.perf_counter()
     stage(f"hashing source checkpoint {source}")
@@ -107,99 +113,133 @@ def build(cfg: BuildConfig) -> Path:
               else None,
               "int4_blocks": BLOCKS_LAYOUT if source.suffix.lower() == ".gguf" and cfg.backend == "onnx"
               and "int4" in {cfg.precision, *quants} else None}
-    old = json.loads((out / mf.MANIFEST).read_text()) if (out / mf.MANIFEST).is_file() else None
-    if old and not cfg.force and old.get("build_inputs") == inputs and all(
-            (out / n).is_file() and mf.sha256(out / n) == e["sha256"] for n, e in old["artifacts"].items()):
+    if not cfg.force and up_to_date(out, inputs):
         stage(f"up to date: {out} (use --force to rebuild)")
         render_triton(out)
         return out
-    stage("loading checkpoint")
-    ck = load_checkpoint(cfg.model)
-    n_layers = ck.cfg.n_layers
-    if not 1 <= cfg.verifier_layers < n_layers:
-        raise UserError(f"--verifier-layers must be in 1..{n_layers - 1}, got {cfg.verifier_layers}")
-    from ..tokenizer import load_tokenizer
-    from .calib_data import calibration_feeds
+    with atomic.folder(out) as work:  # the old build stays whole until the new one replaces it
+        stage("loading checkpoint")
+        ck = load_checkpoint(cfg.model)
+        n_layers = ck.cfg.n_layers
+        if not 1 <= cfg.verifier_layers < n_layers:
+            raise UserError(f"--verifier-layers must be in 1..{n_layers - 1}, got {cfg.verifier_layers}")
+        from ..tokenizer import load_tokenizer
+        from .calib_data import calibration_feeds
 
-    tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
-    attention = cfg.graph_attention
-    feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers, attention))  # static quantization's
-    onnx_target = cfg.backend == "onnx" and cfg.precision != "fp32"
-    engines: dict[str, dict] = {}
-    head = check_head(head_file, ck, source_sha) if head_file is not None else None
-    taps = head.hc.taps if head is not None else ()  # the target graph also outputs the head's features
-    stage(f"exporting target.onnx (fp32, {attention} attention" + (f", hidden states after layers {list(taps)})"
-                                                                    if taps else ")"))
-    fp32 = export_onnx(ck.model, out / ("target_fp32.onnx" if onnx_target else "target.onnx"), taps=taps,
-                       attention=attention)
-    made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
+        tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
+        attention = cfg.graph_attention
+        # static quantization's
+        feeds = functools.cache(lambda: calibration_feeds(tok, ck.cfg, n_layers, attention))
+        onnx_target = cfg.backend == "onnx" and cfg.precision != "fp32"
+        engines: dict[str, dict] = {}
+        head = check_head(head_file, ck, source_sha) if head_file is not None else None
+        taps = head.hc.taps if head is not None else ()  # the target graph also outputs the head's features
+        stage(f"exporting target.onnx (fp32, {attention} attention"
+              + (f", hidden states after layers {list(taps)})" if taps else ")"))
+        fp32 = export_onnx(ck.model, work / ("target_fp32.onnx" if onnx_target else "target.onnx"), taps=taps,
+                           attention=attention)
+        made: dict[str, Path] = {}  # quantization -> its graph: each is made once, whichever engines use it
 
-    def quantized(q: str, path: Path) -> Path:
-        if q not in made and q == "int4" and ck.kind == "gguf":
-            stage(f"int4 from the checkpoint's own blocks: {path.name}")
-            made[q] = int4_from_blocks(fp32, path, ck)
-        if q not in made:
-            stage(f"quantizing to {q}: {path.name}")
-            made[q] = quantize(q, fp32, path, feeds)
-        return made[q]
+        def quantized(q: str, path: Path) -> Path:
+            if q not in made and q == "int4" and ck.kind == "gguf":
+                stage(f"int4 from the checkpoint's own blocks: {path.name}")
+                made[q] = int4_from_blocks(fp32, path, ck)
+            if q not in made:
+                stage(f"quantizing to {q}: {path.name}")
+                made[q] = quantize(q, fp32, path, feeds)
+            return made[q]
 
-    if onnx_target:
-        quantized(cfg.precision, out / "target.onnx")
-    engines["target"] = {"path": "target.onnx", "backend": "onnx",
-                         "precision": cfg.precision if cfg.backend == "onnx" else "fp32", "layers": n_layers,
-                         "taps": list(taps)}
-    if onnx_target and cfg.precision == "int4" and ck.kind == "gguf":
-        engines["target"]["weights"] = "the checkpoint's own blocks (gguf_blocks.py)"
-    stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
-    export_onnx(ck.model, out / "verifier.onnx", n_layers=cfg.verifier_layers, attention=attention)
-    engines["verifier"] = {"path": "verifier.onnx", "backend": "onnx", "precision": "fp32",
-                           "layers": cfg.verifier_layers}
-    for draft in cfg.drafts:
-        q = parse_draft(draft).arg  # self-Q: the target quantized to Q
-        name = quantized(q, out / ("draft_" + q.replace("-", "_") + ".onnx")).name
-        engines[draft] = {"path": name, "backend": "onnx", "precision": q, "layers": n_layers,
-                          "taps": list(taps)}  # from fp32
-    if trt_cfg is not None:
-        engines |= build_plans(out, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
-    for stale in (out / TOKENS, out / SUFFIXES):
-        stale.unlink(missing_ok=True)
-    if store_dir is not None:
-        stage(f"indexing the datastore ({store_what})")
-        store = build_store(store_dir, out)
-        engines["store"] = {"path": TOKENS, "index": SUFFIXES, "precision": "int32", "layers": 0,
-                            "tokens": int(len(store.tokens)), "from": store_what}
-    else:
-        stage(f"no datastore: {store_what} (--draft store needs one: --store DATA)")
-    for stale in (out / HEAD_FILE, out / EMBEDDINGS, out / HEAD_GRAPH, out / (HEAD_GRAPH + ".data")):
-        stale.unlink(missing_ok=True)
-    if head is not None:
-        stage(f"adding the draft head ({head_what}) and the target's token embeddings it reads")
-        shutil.copyfile(head_file, out / HEAD_FILE)
-        np.save(out / EMBEDDINGS, ck.model.embed.weight.detach().numpy().astype(np.float16))  # [V, C]
-        engines["head"] = {"path": HEAD_FILE, "embeddings": EMBEDDINGS, "precision": "fp16", "layers": 1,
-                           "taps": list(taps), "vocab": head.hc.vocab, "from": head_what}
-        stage(f"exporting {HEAD_GRAPH} (the draft head's step, layout {head.hc.layout})")  # ONNX Runtime, fp32
-        export_head_onnx(head, out / HEAD_GRAPH)
-        engines["head"]["graph"] = HEAD_GRAPH
-    stage("writing tokenizer files")
-    tok_files = [p.name for p in tok.save(out)]
-    stage("hashing artifacts")
-    artifacts = {}
-    for p in sorted(out.iterdir()):
-        if p.is_file() and p.name != mf.MANIFEST and not p.name.endswith((".tmp.onnx", ".tmp.plan")):
-            artifacts[p.name] = {"sha256": mf.sha256(p), "bytes": p.stat().st_size}
-    mf.write(out, {
-        "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
-        "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
-        "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
-        "drafters": [NGRAM.name, *([STORE.name] if store_dir else []), *([EAGLE.name] if head else []), *cfg.drafts,
-                     str(DraftSpec(EARLY_EXIT, str(cfg.verifier_layers)))],
-        "tokenizer_files": tok_files,
-        "artifacts": artifacts, "build_inputs": inputs, "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
-    })
-    render_triton(out)
+        if onnx_target:
+            quantized(cfg.precision, work / "target.onnx")
+        engines["target"] = {"path": "target.onnx", "backend": "onnx",
+                             "precision": cfg.precision if cfg.backend == "onnx" else "fp32", "layers": n_layers,
+                             "taps": list(taps)}
+        if onnx_target and cfg.precision == "int4" and ck.kind == "gguf":
+            engines["target"]["weights"] = "the checkpoint's own blocks (gguf_blocks.py)"
+        stage(f"exporting verifier.onnx (first {cfg.verifier_layers} layers + final norm + LM head)")
+        export_onnx(ck.model, work / "verifier.onnx", n_layers=cfg.verifier_layers, attention=attention)
+        engines["verifier"] = {"path": "verifier.onnx", "backend": "onnx", "precision": "fp32",
+                               "layers": cfg.verifier_layers}
+        for draft in cfg.drafts:
+            q = parse_draft(draft).arg  # self-Q: the target quantized to Q
+            name = quantized(q, work / ("draft_" + q.replace("-", "_") + ".onnx")).name
+            engines[draft] = {"path": name, "backend": "onnx", "precision": q, "layers": n_layers,
+                              "taps": list(taps)}  # from fp32
+        if trt_cfg is not None:
+            engines |= build_plans(work, fp32, trt_cfg, ck.cfg, cfg.verifier_layers, quantized)
+        if store_dir is not None:
+            stage(f"indexing the datastore ({store_what})")
+            store = build_store(store_dir, work)
+            engines["store"] = {"path": TOKENS, "index": SUFFIXES, "precision": "int32", "layers": 0,
+                                "tokens": int(len(store.tokens)), "from": store_what}
+        else:
+            stage(f"no datastore: {store_what} (--draft store needs one: --store DATA)")
+        if head is not None:
+            stage(f"adding the draft head ({head_what}) and the target's token embeddings it reads")
+            shutil.copyfile(head_file, work / HEAD_FILE)
+            np.save(work / EMBEDDINGS, ck.model.embed.weight.detach().numpy().astype(np.float16))  # [V, C]
+            engines["head"] = {"path": HEAD_FILE, "embeddings": EMBEDDINGS, "precision": "fp16", "layers": 1,
+                               "taps": list(taps), "vocab": head.hc.vocab, "from": head_what}
+            stage(f"exporting {HEAD_GRAPH} (the draft head's step, layout {head.hc.layout})")  # ONNX Runtime, fp32
+            export_head_onnx(head, work / HEAD_GRAPH)
+            engines["head"]["graph"] = HEAD_GRAPH
+        stage("writing tokenizer files")
+        tok_files = [p.name for p in tok.save(work)]
+        stage("hashing artifacts")
+        artifacts = {}
+        for p in sorted(work.iterdir()):
+            if p.is_file() and p.name != mf.MANIFEST and not p.name.endswith((".tmp.onnx", ".tmp.plan")):
+                artifacts[p.name] = {"sha256": mf.sha256(p), "bytes": p.stat().st_size}
+        mf.write(work, {
+            "format_version": mf.FORMAT_VERSION, "model": mf.model_spec(ck.cfg),
+            "source": {"path": str(source), "kind": ck.kind, "sha256": source_sha},
+            "backend": cfg.backend, "engines": engines, "verifier_layers": cfg.verifier_layers,
+            "drafters": [NGRAM.name, *([STORE.name] if store_dir else []), *([EAGLE.name] if head else []),
+                         *cfg.drafts, str(DraftSpec(EARLY_EXIT, str(cfg.verifier_layers)))],
+            "tokenizer_files": tok_files, "artifacts": artifacts, "build_inputs": inputs,
+            "tools": inputs["tools"] | (trt_tools() if trt_cfg else {}),
+        })
+        keep(out, work)
+        render_triton(work)
     stage(f"done in {time.perf_counter() - t0:.0f}s: {out}")
     return out
+
+
+def up_to_date(out: Path, inputs: dict) -> bool:
+    """`out` holds a whole build made from these inputs, every artifact with its recorded sha256."""
+    try:
+        return mf.read(out).get("build_inputs") == inputs and bool(mf.read(out, verify=True))
+    except UserError:  # no build there, or not a whole one: built anew
+        return False
+
+
+def keep(old: Path, new: Path) -> None:
+    """Carry into the new build what the folder it replaces holds besides the previous build's own files (its
+    manifest and the artifacts it lists: the new build makes its own and drops those it no longer makes): the
+    rendered triton_repo (re-rendered next), calibration heads and caches (`export calibrate`), server logs, whatever
+    else a user put there. Hard links where possible: nothing is copied twice, and the old folder stays whole until
+    it is replaced. Without a readable manifest the previous build's files are unknown: folders and calibration
+    heads are kept."""
+    if not old.is_dir():
+        return
+    try:
+        own = {mf.MANIFEST, *json.loads((old / mf.MANIFEST).read_text())["artifacts"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        own = None
+    for p in old.iterdir():
+        if p.name.startswith(".") or (new / p.name).exists():
+            continue  # temporary names; a file this build made itself
+        if p.is_dir():
+            shutil.copytree(p, new / p.name, symlinks=True, copy_function=link_or_copy)
+        elif fnmatch.fnmatch(p.name, HEAD_GLOB) or (own is not None and p.name not in own):
+            link_or_copy(p, new / p.name)
+
+
+def link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(src, dst)
 
 
 def check_head(path: Path, ck, source_sha: str):
@@ -251,4 +291,5 @@ def trt_tools() -> dict:
 def render_triton(out: Path) -> None:
     from ..triton_repo import RepoConfig, render
 
-    stage(f"rendering the Triton model repository {render(RepoConfig(out))} (cpu profile)")
+    stage("rendering the Triton model repository triton_repo (cpu profile)")
+    render(RepoConfig(out))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import io_spec
+from .. import atomic, io_spec
 from ..config import ModelConfig
 from ..engines.trt_engine import require_tensorrt
 from ..errors import UserError
@@ -114,9 +114,7 @@ def build_plan(onnx_path: Path, plan_path: Path, cfg: TrtBuildConfig, model_cfg:
     if plan is None:
         raise UserError(f"TensorRT {trt.__version__} could not build {onnx_path} ({cfg.precision}); its log above "
                         "says why")
-    tmp = plan_path.with_suffix(".tmp.plan")
-    tmp.write_bytes(plan)  # IHostMemory is a buffer
-    tmp.replace(plan_path)
+    atomic.write_bytes(plan_path, plan)  # IHostMemory is a buffer
     return plan_path
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import atomic
 from ..config import GenerateConfig, SpecConfig
 from ..draft_kinds import AUTO_DRAFT
 from ..errors import UserError
@@ -107,7 +108,8 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
         raise UserError(f"the {cfg.draft} drafter proposed nothing on {prompts}: calibrate with more prompts")
     nodes = NodeSet(np.array(xs), np.array(ys), np.array(ds), len(rows))
     cache.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(cache, x=nodes.x, y=nodes.y, depth=nodes.depth)
+    with atomic.open(cache, "wb") as fh:
+        np.savez(fh, x=nodes.x, y=nodes.y, depth=nodes.depth)
     log(f"{prompts}: {len(ys)} labelled nodes ({int(nodes.y.sum())} accepted), cached in {cache}")
     return nodes
 
@@ -190,7 +192,8 @@ def reliability_plot(head: ConfidenceHead, nodes: NodeSet, title: str, path: Pat
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic.open(path, "wb") as fh:
+        fig.savefig(fh, format=path.suffix[1:] or "png", dpi=110)
     plt.close(fig)
     return path
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import atomic
 from ..draft_head import target_to_draft
 
 HELDOUT_EVERY = 20  # 1 sequence in 20 (by id hash) is held out
@@ -78,14 +79,16 @@ def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path, 
             if time.perf_counter() - last > 15 or done == len(seqs):
                 feats.flush()
                 labels.flush()
-                progress.write_text(f"{done}\n")
+                atomic.write_text(progress, f"{done}\n")  # the rows before it are flushed: a resume starts there
                 last = time.perf_counter()
                 rate = (b - offsets[start]) / (last - t0)
                 stage(f"features: {done}/{len(seqs)} sequences, {rate:.0f} tokens/s, "
                       f"~{(n - b) / max(rate, 1e-9) / 60:.0f} min left")
-    np.save(folder / "tokens.npy", np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]))
-    np.save(folder / "offsets.npy", offsets)
-    (folder / "done").write_text("ok\n")
+    for name, a in (("tokens.npy", np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])),
+                    ("offsets.npy", offsets)):
+        with atomic.open(folder / name, "wb") as fh:
+            np.save(fh, a)
+    atomic.write_text(folder / "done", "ok\n")  # last: the cache is complete
     return extract(target, seqs, taps, folder)
 
 

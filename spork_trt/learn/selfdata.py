@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import atomic
 from ..config import GenerateConfig, SamplingConfig, SpecConfig
 from ..errors import UserError
 from ..export.artifacts import ANSWERS, COUNTS, RECIPE, read_jsonl
@@ -70,7 +71,7 @@ class Appender:
         self.path = path
         text = path.read_text() if path.is_file() else ""
         if text and not text.endswith("\n"):
-            path.write_text(text[:text.rfind("\n") + 1])  # drop a partial last line
+            atomic.write_text(path, text[:text.rfind("\n") + 1])  # drop a partial last line
         self.fh = path.open("a")
 
     def write(self, row: dict) -> None:
@@ -261,7 +262,7 @@ def self_data(cfg: SelfDataConfig) -> dict:
                    "answer": sum(len(a["ids"]) - a["n_prompt"] for a in answers)},
         "seconds_this_run": round(time.perf_counter() - t0, 1),
     }
-    recipe_path.write_text(json.dumps(recipe, indent=1) + "\n")
+    atomic.write_text(recipe_path, json.dumps(recipe, indent=1) + "\n")
     stage(f"done: {len(answers)} answers, {recipe['tokens']['answer']} answer tokens "
           f"({recipe['tokens']['total']} with prompts) in {cfg.out}")
     return recipe

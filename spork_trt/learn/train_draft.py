@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import atomic
 from ..draft_head import DraftHead, HeadConfig, load_head
 from ..errors import UserError
 from ..export import artifacts
@@ -132,7 +133,7 @@ def train_draft(cfg: TrainConfig, target=None) -> dict:
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
             "taps": list(taps), "labels": "soft" if soft else "hard", **state, "heldout": asdict(ev)}
     head.save(cfg.out, meta)
-    (cfg.out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
+    atomic.write_text(cfg.out / "report.json", json.dumps(meta, indent=1) + "\n")
     stage(f"saved {cfg.out / 'head.safetensors'}")
     return meta
 
@@ -189,13 +190,15 @@ def checkpoint(d: Path, head, opt, sched, state: dict) -> None:
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(d / "head.safetensors"))
+    with atomic.path(d / "head.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp))
     tensors = {}
     for i, p in enumerate(head.parameters()):
         for name, v in opt.state.get(p, {}).items():
             tensors[f"{i}.{name}"] = v.reshape(1) if v.dim() == 0 else v.contiguous()
-    save_file(tensors, str(d / "optimizer.safetensors"))
-    (d / "state.json").write_text(json.dumps({**state, "sched": sched.last_epoch}) + "\n")
+    with atomic.path(d / "optimizer.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+    atomic.write_text(d / "state.json", json.dumps({**state, "sched": sched.last_epoch}) + "\n")
 
 
 def resume(d: Path, head, opt, sched) -> dict:
