@@ -46,8 +46,9 @@ def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
         if key in DEFAULT_ONLY:
             allowed = DEFAULT_ONLY[key]
             if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
-                raise bad_request(key, f"{key}={value!r} is not supported by this server (only "
-                                  f"{' or '.join(map(repr, allowed))})", "unsupported_parameter")
+                shown = f"{key}={value!r}" if isinstance(value, (bool, int, float, str)) else key
+                raise bad_request(key, f"{shown} is not supported by this server (only {key}="
+                                  f"{' or '.join(map(repr, allowed))}, or leave it out)", "unsupported_parameter")
         elif key not in FIELDS[kind]:
             raise bad_request(key, f"unrecognized request argument: {key}", "unrecognized_argument")
     name = body.get("model")
