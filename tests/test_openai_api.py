@@ -52,7 +52,7 @@ def api(default_engines):
     ports = [free_port() for _ in range(4)]
     proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",
-                             str(ports[2]), "--openai-port", str(ports[3]), "--drain-timeout", "5"],
+                             str(ports[2]), "--openai-port", str(ports[3]), "--drain-timeout", "30"],
                             stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{ports[3]}"
     try:
