@@ -251,9 +251,13 @@ def test_models_health_and_a_client_that_leaves_cancels_its_request(api, client,
 
 
 @slow
-def test_the_api_stops_with_serve(api):
-    base, _, proc = api
+def test_the_api_stops_with_serve(api, client):
+    base, model, proc = api
+    assert client.completions.create(model=model, prompt="Hello", max_tokens=4).choices[0].text  # still serving
+    # a SIGTERM within a second or two of a cancelled stream has seen Triton's spork model fail to unload within the
+    # exit timeout (tritonserver exits 1 after it; the same without this front end?): docs/serving.md, "Not yet"
+    time.sleep(5)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
+    assert proc.wait(60) == 0, proc.stderr.read()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(base + "/health", timeout=5)

@@ -36,9 +36,10 @@ class Stream:
     tok: Tokenizer
     ids: list[int] = field(default_factory=list)
     call: object = None
+    finished: bool = False  # the final response arrived: Triton ends the call itself
 
     def cancel(self) -> None:
-        if self.call is not None:
+        if self.call is not None and not self.finished:
             self.call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
@@ -53,6 +54,7 @@ class Stream:
                 if error is not None:
                     raise upstream_error(error.message())
                 piece = self.piece(result)
+                self.finished = piece.final
                 yield piece
                 if piece.final:
                     return
@@ -60,8 +62,9 @@ class Stream:
             if e.code() == grpc.StatusCode.CANCELLED:
                 raise
             raise unavailable(f"the model server is unavailable ({e.code().name}): retry later") from None
-        finally:
-            self.cancel()
+        finally:  # an answer cut short (a stop string, an error, the client gone): Triton frees its slot
+            if not self.finished:
+                self.cancel()
 
     def piece(self, result) -> Piece:
         window = [int(i) for i in result.as_numpy("output_ids").reshape(-1)]
