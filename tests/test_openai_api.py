@@ -47,19 +47,20 @@ def test_tokens_through_stop_is_the_first_prefix_holding_it():
 
 
 @pytest.fixture(scope="module")
-def api(default_engines):
+def api(default_engines, tmp_path_factory):
     """`serve` with the OpenAI API on free ports; yields (base_url, model name, serve process)."""
     ports = [free_port() for _ in range(4)]
+    err = tmp_path_factory.mktemp("openai") / "serve.err"  # a file, not a pipe nobody reads
     proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                              "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",
-                             str(ports[2]), "--openai-port", str(ports[3]), "--drain-timeout", "30"],
-                            stderr=subprocess.PIPE, text=True)
+                             str(ports[2]), "--openai-port", str(ports[3])], stderr=err.open("w"), text=True)
+    proc.err = err
     base = f"http://127.0.0.1:{ports[3]}"
     try:
-        line = ""
-        while "ready:" not in line:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "serve exited while starting"
+        deadline = time.monotonic() + 300
+        while "ready:" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
             name = json.loads(r.read())["data"][0]["id"]
         yield base, name, proc
@@ -257,6 +258,6 @@ def test_the_api_stops_with_serve(api, client):
     # the drain ends with exit code 0: nothing left in flight (a gRPC call cancelled AFTER its final response kept
     # Triton's spork model from unloading until the exit timeout; upstream.Stream cancels only answers cut short)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, proc.stderr.read()
+    assert proc.wait(60) == 0, proc.err.read_text()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(base + "/health", timeout=5)
