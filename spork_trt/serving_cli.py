@@ -12,6 +12,7 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve --repo engines/default/triton_repo --http-port 9000 --grpc-port 9001
   python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
   python -m spork_trt serve --drain-timeout 120               # SIGTERM: in-flight requests get 2 minutes to finish
+  python -m spork_trt serve --openai-port 0                   # no OpenAI-compatible API (default: on port 9000)
 
 SIGTERM (or Ctrl-C) drains: readiness turns false at once, new requests are refused, in-flight ones finish within
 --drain-timeout; the exit code is 0 when everything finished, 1 otherwise. A second Ctrl-C stops at once. Nothing
@@ -44,6 +45,10 @@ def add_serving_commands(sub) -> None:
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--openai-port", type=int, default=9000,
+                   help="the OpenAI-compatible API (/v1/chat/completions, ...) on --host (default: %(default)s; 0: off)")
+    s.add_argument("--openai-model", default=None, metavar="NAME",
+                   help="the model name the OpenAI API serves (default: the build's checkpoint name)")
     s.add_argument("--log", default=None, help="server log file (default: next to the repository; the previous "
                    "one is kept as LOG.1)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -83,6 +88,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from . import manifest as mf
+    from .openai_api.server import FrontConfig, OpenAIServer, refuse_port_in_use
     from .serve import ServerConfig, TritonServer
     from .triton_repo import RepoConfig, engines_of, ensure_rendered, is_rendered
 
@@ -91,6 +97,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         "check a build with `python -m export inspect DIR --verify`)")
     if a.drain_timeout <= 0:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
+    if not 0 <= a.openai_port < 65536:
+        raise UserError(f"--openai-port must be a port number, or 0 for no OpenAI API; got {a.openai_port}")
+    if a.openai_port:
+        refuse_port_in_use(a.host, a.openai_port)
     repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)), verify=a.verify)
     cfg = ServerConfig(repo, a.host, a.http_port, a.grpc_port, a.metrics_port, Path(a.log) if a.log else None,
                        drain_timeout_s=a.drain_timeout)
@@ -101,12 +111,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     served = mf.describe_target(mf.read(engines_of(repo))) if is_rendered(repo) else "not a rendered repository"
     print(f"starting tritonserver on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     server = TritonServer(cfg).start()
-    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}  "
+    front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout))
+    try:
+        if a.openai_port:
+            front.start()
+    except BaseException:
+        server.stop(timeout_s=10.0)
+        raise
+    openai = f"  OpenAI API {front.url} (model {front.model_name})" if a.openai_port else ""
+    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}{openai}  "
           "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while server.proc.poll() is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
+        front.stop()  # first: no new OpenAI requests, its in-flight answers finish while Triton still serves
         print(f"draining: in-flight requests get {a.drain_timeout:g}s to finish (Ctrl-C again stops at once) ...",
               file=sys.stderr, flush=True)
         code = server.stop()
@@ -116,6 +135,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 1
         print("stopped: every request finished", file=sys.stderr, flush=True)
         return 0
+    front.stop()
     server.stop()
     raise UserError(f"tritonserver exited with code {server.proc.returncode}; see {cfg.log}")
 

@@ -51,7 +51,7 @@ def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen
     err = (tmp_path / "launcher.err").open("w")  # a file, not a pipe nobody reads
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--repo", str(repo),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                          "--log", str(tmp_path / "triton.log"), *extra], stderr=err, text=True)
+                          "--openai-port", str(free_port()), "--log", str(tmp_path / "triton.log"), *extra], stderr=err, text=True)
     deadline = time.monotonic() + 300
     while "ready:" not in (tmp_path / "launcher.err").read_text():
         assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()

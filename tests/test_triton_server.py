@@ -326,7 +326,7 @@ def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                          "--log", str(tmp_path / "triton.log")], stderr=subprocess.PIPE, text=True)
+                          "--openai-port", str(free_port()), "--log", str(tmp_path / "triton.log")], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         while not any(line.startswith("ready:") for line in lines):
@@ -374,7 +374,7 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
     ports = [str(free_port()) for _ in range(3)]
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
-                          "--log", str(tmp_path / "triton.log")], stderr=(tmp_path / "launcher.err").open("w"),
+                          "--openai-port", str(free_port()), "--log", str(tmp_path / "triton.log")], stderr=(tmp_path / "launcher.err").open("w"),
                          text=True)  # a file, not a pipe nobody reads: a full pipe would block the launcher
     try:
         deadline, server = time.monotonic() + 120, None

@@ -1,0 +1,40 @@
+"""One answer: the upstream stream's text through the stop strings, then how it ended (finish reason, exact token
+counts, the speculative stats). Streaming and non-streaming responses are both built from these events, so they
+carry the same text."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .errors import ApiError
+from .stops import StopFilter, tokens_through_stop
+from .upstream import Stream
+
+
+@dataclass(frozen=True)
+class End:
+    finish_reason: str  # stop (EOS or a stop string) | length (max_tokens)
+    completion_tokens: int
+    stats: dict[str, float]
+
+
+async def answer(stream: Stream) -> AsyncIterator[str | End]:
+    """Text pieces (never empty), then one End."""
+    stops = stream.job.cfg.stop_strings
+    filt = StopFilter(stops)
+    async for piece in stream:
+        text = filt.feed(piece.text)
+        if text:
+            yield text
+        if filt.stopped:  # the rest is not wanted: free the slot now
+            stream.cancel()
+            yield End("stop", tokens_through_stop(piece.ids, stream.tok.decode, stops), piece.stats)
+            return
+        if piece.final:
+            rest = filt.flush()
+            if rest:
+                yield rest
+            yield End("length" if piece.stop_reason == "max_tokens" else "stop", len(piece.ids), piece.stats)
+            return
+    raise ApiError(502, "the model server ended the answer without its final response", None, "upstream_error",
+                   "server_error")

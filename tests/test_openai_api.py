@@ -1,0 +1,263 @@
+"""The OpenAI-compatible front end: `python -m spork_trt serve --openai-port` in front of a real tritonserver, asked
+with the real `openai` client. Greedy answers equal local plain greedy generation (chat through the template, raw
+completions), streamed == not streamed, usage exact, stop strings never leak, bad requests answered in OpenAI's
+error shape naming the field while the server keeps serving, a client that leaves cancels its request. The stop
+filter itself is checked without a server."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from spork_trt.openai_api.stops import StopFilter, tokens_through_stop
+from spork_trt.serve import free_port
+from tests.conftest import mt_bench_prompts
+
+slow = pytest.mark.slow
+MAX_TOKENS = 48
+
+
+def test_stop_filter_holds_back_only_what_could_start_a_stop():
+    f = StopFilter(("###", "END"))
+    assert f.feed("hello #") == "hello "  # "#" could begin "###"
+    assert f.feed("# x") == "## x"  # it did not
+    assert f.feed(" E") == " "
+    assert f.feed("NDING") == "" and f.stopped  # "END" starts at the held "E": nothing after it goes
+    assert f.feed("more") == "" and f.flush() == ""
+    g = StopFilter(("\n\n",))
+    assert g.feed("a\n") == "a" and g.flush() == "\n"  # the stream ended: the held text was never a stop
+    h = StopFilter(("cat",))
+    assert "".join(h.feed(c) for c in "the black cat sat") == "the black " and h.stopped
+
+
+def test_tokens_through_stop_is_the_first_prefix_holding_it():
+    pieces = ["ab", "c#", "#d", "e"]
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert tokens_through_stop([0, 1, 2, 3], decode, ("##",)) == 3
+    assert tokens_through_stop([0, 1, 2, 3], decode, ("zz",)) == 4
+
+
+@pytest.fixture(scope="module")
+def api(default_engines, tmp_path_factory):
+    """`serve` with the OpenAI API on free ports; yields (base_url, model name, serve process)."""
+    ports = [free_port() for _ in range(4)]
+    err = tmp_path_factory.mktemp("openai") / "serve.err"  # a file, not a pipe nobody reads
+    proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
+                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",
+                             str(ports[2]), "--openai-port", str(ports[3])], stderr=err.open("w"), text=True)
+    proc.err = err
+    base = f"http://127.0.0.1:{ports[3]}"
+    try:
+        deadline = time.monotonic() + 300
+        while "ready:" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        yield base, name, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    import openai
+
+    return openai.OpenAI(base_url=api[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(default_engines):
+    """Plain greedy decoding on the same engines, in this process: (text, token ids) of prompt ids."""
+    from spork_trt.config import GenerateConfig
+    from spork_trt.runtime import Runtime
+
+    rt = Runtime.from_engines(default_engines)
+
+    def run(ids: list[int], max_tokens: int = MAX_TOKENS):
+        r = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens))
+        return r.text, r.token_ids
+
+    run.tok = rt.tokenizer
+    return run
+
+
+def streamed(client, kind: str, **kw):
+    """(text, finish_reason, usage, final metrics) of a streamed answer."""
+    create = client.chat.completions.create if kind == "chat" else client.completions.create
+    text, finish, usage, metrics = [], None, None, None
+    for c in create(stream=True, stream_options={"include_usage": True}, **kw):
+        if c.choices:
+            ch = c.choices[0]
+            piece = ch.delta.content if kind == "chat" else ch.text
+            text.append(piece or "")
+            finish = ch.finish_reason or finish
+        if c.usage:
+            usage, metrics = c.usage, c.model_extra["metrics"]
+    return "".join(text), finish, usage, metrics
+
+
+def finish_of(ids) -> str:
+    return "length" if len(ids) == MAX_TOKENS else "stop"
+
+
+@slow
+def test_chat_equals_local_greedy_streamed_or_not(api, client, reference):
+    _, model, _ = api
+    for prompt in mt_bench_prompts(3):
+        ids = reference.tok.encode_prompt(prompt)
+        want, want_ids = reference(ids)
+        kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0)
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].message.content == want, prompt[:40]
+        assert r.choices[0].finish_reason == finish_of(want_ids) and r.object == "chat.completion"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want_ids))
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        spec = r.model_extra["metrics"]["speculative_decoding"]
+        assert spec["mean_accepted_length"] >= 1 and 0 <= spec["acceptance_rate"] <= 1 and spec["draft_tokens"] >= 0
+        text, finish, usage, metrics = streamed(client, "chat", **kw)
+        assert text == want and finish == r.choices[0].finish_reason
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(want_ids))
+        assert metrics["speculative_decoding"]["steps"] >= 1
+
+
+@slow
+def test_conversation_and_raw_completion_reach_the_model_as_written(api, client, reference):
+    _, model, _ = api
+    convo = [{"role": "system", "content": "You are a terse assistant."},
+             {"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "7."},
+             {"role": "user", "content": "And a larger one?"}]
+    hf = reference.tok.hf
+    ids = hf.encode(hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)
+    want, want_ids = reference(ids)
+    r = client.chat.completions.create(model=model, messages=convo, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    prompt = "def fibonacci(n):\n"
+    ids = reference.tok.encode_prompt(prompt, raw=True)
+    want, want_ids = reference(ids)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == want and r.object == "text_completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want_ids))
+    text, finish, usage, _ = streamed(client, "completion", model=model, prompt=prompt, max_tokens=MAX_TOKENS)
+    assert text == want and finish == r.choices[0].finish_reason and usage.completion_tokens == len(want_ids)
+
+
+@slow
+def test_stop_strings_end_the_answer_where_they_start(api, client, reference):
+    _, model, _ = api
+    prompt = mt_bench_prompts(1)[0]
+    ids = reference.tok.encode_prompt(prompt)
+    want, want_ids = reference(ids)
+    at = len(want) // 2
+    stop = want[at:at + 6]  # a stop inside the answer, likely across two responses' text
+    cut = want[:want.index(stop)]
+    through = tokens_through_stop(want_ids, reference.tok.decode, (stop,))
+    kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(stop=[stop, "\u2603never"], **kw)
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == through
+    text, finish, usage, _ = streamed(client, "chat", stop=stop, **kw)
+    assert text == cut and finish == "stop" and usage.completion_tokens == through
+
+
+def post(base: str, path: str, body) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+@slow
+def test_bad_requests_get_openai_errors_naming_the_field(api, client):
+    base, model, _ = api
+    hi = [{"role": "user", "content": "hi"}]
+    chat = {"model": model, "messages": hi}
+    cases = [  # (path, body, status, param)
+        ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": hi}, 400, "model"),
+        ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content"),
+        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/v1/chat/completions", {**chat, "logit_bias": {"42": 5}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
+        ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
+        ("/v1/chat/completions", {**chat, "top_k": -1}, 400, "top_k"),
+        ("/v1/chat/completions", {**chat, "seed": -3}, 400, "seed"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 10**7}, 400, "max_completion_tokens"),
+        ("/v1/chat/completions", {**chat, "stop": ["a", ""]}, 400, "stop"),
+        ("/v1/chat/completions", {**chat, "stream": "yes"}, 400, "stream"),
+        ("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/chat/completions", {**chat, "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
+        ("/v1/completions", {"model": model, "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": model, "prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"model": model, "prompt": "x", "messages": hi}, 400, "messages"),
+    ]
+    for path, body, status, param in cases:
+        got, answer, _ = post(base, path, body)
+        assert got == status, (param, answer)
+        err = answer["error"]
+        assert err["param"] == param and err["message"] and err["type"], answer
+    got, answer, _ = post(base, "/v1/chat/completions", b"{not json")
+    assert got == 400 and answer["error"]["message"] == "the request body is not valid JSON"
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=hi)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=hi, n=3)
+    assert e.value.body["param"] == "n"
+    r = client.chat.completions.create(model=model, messages=hi, max_tokens=8)  # still serving
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 8
+
+
+@slow
+def test_models_health_and_a_client_that_leaves_cancels_its_request(api, client, default_engines):
+    import openai
+
+    base, model, _ = api
+    assert [m.id for m in client.models.list().data] == [model]
+    with urllib.request.urlopen(base + "/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    log = default_engines / "logs" / "tritonserver.log"
+    before = log.read_text(errors="replace").count("request cancelled")
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=1.0).completions.create(model=model, prompt="Once upon a time", max_tokens=4000,
+                                                            temperature=0.8, seed=1)
+    deadline = time.monotonic() + 20
+    while log.read_text(errors="replace").count("request cancelled") == before:
+        assert time.monotonic() < deadline, "the gRPC stream to spork was not cancelled"
+        time.sleep(0.2)
+
+
+@slow
+def test_the_api_stops_with_serve(api, client):
+    base, model, proc = api
+    assert client.completions.create(model=model, prompt="Hello", max_tokens=4).choices[0].text  # still serving
+    # the drain ends with exit code 0: nothing left in flight (a gRPC call cancelled AFTER its final response kept
+    # Triton's spork model from unloading until the exit timeout; upstream.Stream cancels only answers cut short)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.err.read_text()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(base + "/health", timeout=5)
