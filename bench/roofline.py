@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spork_trt import atomic
 from spork_trt import manifest as mf
 from spork_trt.engines import chain_input, load_engine
 
@@ -119,9 +120,7 @@ def main(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"git_sha": git_sha(), "machine": platform.machine(), **asdict(machine),
                "points": [asdict(p) | {"ratio": round(p.ratio, 2)} for p in points]}
-    tmp = out / "roofline.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(out / "roofline.json")
+    atomic.write_text(out / "roofline.json", json.dumps(summary, indent=1) + "\n")
     if a.json:
         print(json.dumps(summary))
         return 0
