@@ -22,7 +22,7 @@ from . import atomic
 from .errors import UserError
 
 NAME = "spork-trt"
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}  # serve --openai-port: 9000 by default
 GIB = 1 << 30
 BASE_MEMORY = 2 * GIB  # tritonserver, its python stubs, the tokenizer: measured RSS of an idle default server ~1.6 GiB
 QUEUE_GAUGE, ACTIVE_GAUGE = "spork_queued_requests", "spork_active_requests"  # triton_repo/spork/model.py
