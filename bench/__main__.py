@@ -31,7 +31,7 @@ EXAMPLES = """examples:
                                                           # n-gram and store replayed on the run's plain answers
   python -m bench replay --run results/run --drafts store --store-fractions 0.25,0.5,1   # smaller stores
   python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
-  python -m bench report --run results/run --serve results/serve --gate results/gate --readme README.md
+  python -m bench report --run results/run --serve results/serve --gate results/gate --readme docs/benchmarks.md
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
 
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     rp.add_argument("--serve", default=None, help="a `bench serve --out` folder")
     rp.add_argument("--gate", default=None, help="a `bench gate --out` folder")
     rp.add_argument("--out", default="docs/bench", help="where report.md and the PNGs go (default: %(default)s)")
-    rp.add_argument("--readme", default=None, help="rewrite this README's generated benchmark block")
+    rp.add_argument("--readme", default=None, help="rewrite the generated benchmark block of this file "
+                    "(docs/benchmarks.md)")
     co = sub.add_parser("costs", help="target and verifier forward cost by tree nodes (the scheduler's cost model)",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     co.add_argument("--engines", default="engines/default")

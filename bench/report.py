@@ -1,5 +1,5 @@
 """`python -m bench report`: markdown tables and PNG plots from result folders (`bench run`, `bench serve`,
-`bench gate`), with the hardware and conditions stated; `--readme README.md` rewrites the README's generated block
+`bench gate`), with the hardware and conditions stated; `--readme docs/benchmarks.md` rewrites the generated block
 (between the BEGIN/END markers) so the published figures always come from a real run.
 
 Plots: speedup vs plain per category (each run), accepted-length histogram (each run's speculative arms), latency
