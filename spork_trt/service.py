@@ -128,13 +128,25 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream)
 
 
-def encode_text(tok: Tokenizer, text_input: np.ndarray | None) -> np.ndarray:
-    """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template."""
+def text_limit(tok: Tokenizer, context: int) -> int:
+    """Bytes of text past which no prompt fits `context` tokens: a token covers at most the longest token's bytes,
+    so a longer text has more tokens than the context. Checked before decoding or tokenizing anything."""
+    longest = max(len(tok.hf.decode([i]).encode()) for i in range(len(tok.hf)))
+    return context * max(longest, 1)
+
+
+def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | None = None) -> np.ndarray:
+    """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template; a text over
+    `max_bytes` (text_limit) is refused before any work."""
     if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
         raise UserError('text_input is missing: send the prompt as "text_input" (a string)')
     if text_input.size != 1:
         raise UserError(f"text_input must hold one string per request, got shape {list(text_input.shape)}")
     raw = text_input.reshape(-1)[0]
+    size = len(raw) if isinstance(raw, bytes) else len(str(raw).encode())
+    if max_bytes is not None and size > max_bytes:
+        raise UserError(f"text_input is {size} bytes: no text over {max_bytes} bytes fits the model's context; "
+                        "send less text")
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
     except UnicodeDecodeError as e:
@@ -178,6 +190,13 @@ def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
     engines = Path(model_parameters(args)["engines"])
     cfg = mf.spec_config(mf.read(engines)["model"])
     return load_tokenizer(engines, "hf", cfg.eos_token_ids)
+
+
+def model_text_limit(args: Mapping[str, str], tok: Tokenizer) -> int:
+    """text_limit for the model window of the engines a Triton python model's config names."""
+    from . import manifest as mf
+
+    return text_limit(tok, mf.spec_config(mf.read(Path(model_parameters(args)["engines"]))["model"]).max_seq_len)
 
 
 @dataclass(eq=False)

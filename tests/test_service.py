@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from spork_trt.errors import UserError
-from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, decode_chunk, encode_text, parse_request
+from spork_trt.service import (DETOKENIZE_CONTEXT, Chunk, Limits, Service, decode_chunk, encode_text, parse_request,
+                               text_limit)
 from spork_trt.tokenizer import text_delta
 
 CONTEXT = 64
@@ -59,6 +60,17 @@ def test_preprocessing_refuses_empty_and_invalid_utf8(default_tokenizer):
     ids = encode_text(default_tokenizer, one("héllo".encode(), np.object_))
     assert ids.dtype == np.int32 and ids.shape[0] == 1
     assert ids[0].tolist() == default_tokenizer.encode_prompt("héllo")
+
+
+@pytest.mark.slow
+def test_preprocessing_refuses_a_text_too_long_for_the_context_before_any_work(default_tokenizer):
+    limit = text_limit(default_tokenizer, 64)
+    big = one(b"\xff" * (limit + 1), np.object_)  # not UTF-8: decoding it first would say so
+    with pytest.raises(UserError, match=f"text_input is {limit + 1} bytes: no text over {limit} bytes fits"):
+        encode_text(default_tokenizer, big, limit)
+    for text in ("word " * 500, "x" * 3000, "a" + " " * 3000, "def f():\n    return 1\n" * 100):  # never refuses what fits
+        n = len(default_tokenizer.encode_prompt(text, raw=True))
+        assert len(text.encode()) <= text_limit(default_tokenizer, n)
 
 
 @pytest.mark.slow

@@ -150,6 +150,11 @@ def test_bad_input_is_an_error_naming_the_problem_while_others_carry_on(server, 
                 query("hi", cfg(server, protocol, stream, **over))
     with pytest.raises(UserError, match="text_input is empty"):
         query("   ", cfg(server, "http"))
+    t0 = time.monotonic()
+    for protocol, stream in PROTOCOLS:  # 2 MB: refused by its size, before decoding or tokenizing (was 18-25 s)
+        with pytest.raises(UserError, match="bytes: no text over"):
+            query("a" * (2 << 20), cfg(server, protocol, stream))
+    assert time.monotonic() - t0 < 30
     text = np.array([[b"hi"]], np.object_)
     assert "not valid UTF-8" in raw_infer(server, {"text_input": (np.array([[b"\xff\xfe"]], np.object_), "BYTES")})
     assert "data-type is 'FP32'" in raw_infer(server, {"text_input": (text, "BYTES"),

@@ -3,19 +3,20 @@ A thin adapter: the logic is spork_trt.service.encode_text (tested without Trito
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import encode_text, model_tokenizer, public_error
+from spork_trt.service import encode_text, model_text_limit, model_tokenizer, public_error
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.tok = model_tokenizer(args)
+        self.max_bytes = model_text_limit(args, self.tok)  # longer texts are refused before any work
 
     def execute(self, requests):
         responses = []
         for request in requests:  # each request gets its own response, or its own error
             try:
                 text = pb_utils.get_input_tensor_by_name(request, "text_input")  # [1, 1] bytes, or absent
-                ids = encode_text(self.tok, None if text is None else text.as_numpy())  # [1, n]
+                ids = encode_text(self.tok, None if text is None else text.as_numpy(), self.max_bytes)  # [1, n]
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids)]))
             except UserError as e:
                 responses.append(pb_utils.InferenceResponse(
