@@ -72,16 +72,10 @@ class Served:
 
 
 def served(engines: Path) -> Served:
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    from .triton_repo import spork_model
 
-    path = engines / "triton_repo" / "spork" / "config.pbtxt"
-    if not path.is_file():
-        raise UserError(f"{path} is missing: render the repository first with `python -m export triton --engines "
-                        f"{engines}`")
-    c = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-    params = {k: v.string_value for k, v in c.parameters.items()}
-    return Served(sum(g.count for g in c.instance_group) or 1, int(params["slots"]), int(params["max_len"]))
+    m = spork_model(engines / "triton_repo")
+    return Served(m.instances, int(m.params["slots"]), int(m.params["max_len"]))
 
 
 def memory_request(cfg: K8sConfig) -> int:

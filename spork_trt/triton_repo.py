@@ -103,14 +103,30 @@ def ensemble_config(name: str, spork: str):
     return c
 
 
-def engines_of(repo: Path) -> Path:
-    """The build a rendered repository serves (its spork model's `engines` parameter; relative: to the repository)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+@dataclass(frozen=True)
+class SporkModel:
+    """What a rendered repository's `spork` model config says (read back, for the launcher, k8s and the API)."""
+    instances: int
+    params: dict[str, str]  # its parameters: engines, draft, slots, max_len, ...
+    engines: Path  # the build it serves (the `engines` parameter; relative: to the repository)
 
-    c = text_format.Parse((repo / "spork" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    p = Path(c.parameters["engines"].string_value)
-    return p if p.is_absolute() else (repo / p).resolve()
+
+def spork_model(repo: Path) -> SporkModel:
+    from google.protobuf import text_format
+
+    path = repo / "spork" / "config.pbtxt"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: render the repository first with `python -m export triton`")
+    c = text_format.Parse(path.read_text(), pb().ModelConfig())
+    params = {k: v.string_value for k, v in c.parameters.items()}
+    where = Path(params["engines"])
+    return SporkModel(sum(g.count for g in c.instance_group) or 1, params,
+                      where if where.is_absolute() else (repo / where).resolve())
+
+
+def engines_of(repo: Path) -> Path:
+    """The build a rendered repository serves."""
+    return spork_model(repo).engines
 
 
 def is_rendered(repo: Path) -> bool:

@@ -36,15 +36,11 @@ class ServedModel:
 def load_served_model(repo: Path, name: str | None = None) -> ServedModel:
     """The model a rendered repository serves: its `spork` config names the engines (relative to the repository),
     the slot size and the drafter; the build's manifest the window and the tokenizer."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
     from .. import manifest as mf
+    from ..triton_repo import spork_model
 
-    cfg = text_format.Parse((repo / "spork" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    params = {k: v.string_value for k, v in cfg.parameters.items()}
-    where = Path(params["engines"])
-    engines = where if where.is_absolute() else (repo / where).resolve()
+    spork = spork_model(repo)
+    params, engines = spork.params, spork.engines
     manifest = mf.read(engines)
     mcfg = mf.spec_config(manifest["model"])
     # Service.context: the window, or less when the slots are smaller (a slot keeps room for one step's tree)
