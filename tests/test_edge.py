@@ -15,7 +15,8 @@ from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
 from spork_trt.core import CoreConfig
 from spork_trt.errors import FieldError, UserError
 from spork_trt.io_spec import FIELDS
-from spork_trt.service import Chunk, Service, decode_chunk
+from spork_trt.service import Chunk, Service
+from spork_trt.triton_steps import decode_chunk
 from tests.conftest import tiny_config
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]

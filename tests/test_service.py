@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from spork_trt.errors import UserError
-from spork_trt.service import (DETOKENIZE_CONTEXT, Chunk, Limits, Service, decode_chunk, encode_text, parse_request,
-                               text_limit)
+from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, parse_request
+from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
 from spork_trt.tokenizer import text_delta
 
 CONTEXT = 64

@@ -7,7 +7,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from spork_trt import io_spec
 from spork_trt.errors import UserError
-from spork_trt.service import model_parameters
+from spork_trt.triton_steps import model_parameters
 from spork_trt.triton_repo import RepoConfig, render
 
 pytestmark = pytest.mark.slow  # needs a default build
@@ -75,7 +75,7 @@ def test_render_refuses_what_is_not_a_build(tmp_path):
 
 
 def test_each_gpu_instance_runs_on_its_own_gpu():
-    from spork_trt.service import instance_device
+    from spork_trt.triton_steps import instance_device
 
     assert instance_device("cuda", {"model_instance_kind": "GPU", "model_instance_device_id": "1"}) == "cuda:1"
     assert instance_device("cpu", {"model_instance_kind": "CPU"}) == "cpu"

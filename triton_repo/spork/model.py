@@ -13,7 +13,8 @@ import triton_python_backend_utils as pb_utils
 from spork_trt import io_spec
 from spork_trt.core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
-from spork_trt.service import Service, instance_device, model_parameters, public_error
+from spork_trt.service import Service, public_error
+from spork_trt.triton_steps import instance_device, model_parameters
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
