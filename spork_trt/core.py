@@ -3,8 +3,9 @@
 One `step()`: admit waiting requests into free slots; each decoding request's drafter proposes a tree, the verifier
 scores it, and the scheduler's goodput allotment (scheduler.allot) decides across ALL requests which nodes ONE
 target forward verifies; then per request: verify, commit, stream (into its outbox), recover. Prompts are
-prefilled in chunks under a per-step token budget in a second forward of the same step, so a long prompt never
-stalls the others. Requests join and leave between steps; a cancelled one leaves at the next step and frees its
+prefilled in chunks that ride in that same forward: one token budget (`step_tokens`) holds every request's root,
+then the joining prompts' chunks, then the allotted nodes, so a long prompt never stalls the others and a step
+pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward). Requests join and leave between steps; a cancelled one leaves at the next step and frees its
 slot. `generate` (generate.py) is this core with a batch of one: one code path for the CLI, the bench and the
 server.
 
@@ -60,7 +61,7 @@ class Verified:
 class CoreConfig:
     slots: int = 1  # requests decoded at once (KV pool slots)
     max_len: int = 2048  # positions per slot: prompt + new tokens + a draft tree's room
-    step_tokens: int = 256  # most tokens of a step's tree forward (every request's root and verified nodes)
+    step_tokens: int = 384  # most tokens of a step's forward: every request's root, then prompt chunks, then nodes
     prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
     max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
 
@@ -145,6 +146,16 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """A step's target forward, by request."""
+
+    logits: dict  # Request -> [r_b, V]: a tree's rows, or a prompt's last row (none for an earlier chunk)
+    features: dict  # Request -> [n_b, k*C]: hidden states, for a drafter that wants them
+    tree_s: float  # its seconds charged to verifying the trees
+    prefill_s: float  # and to the prompt chunks
+
+
+@dataclass(frozen=True)
 class TreeWork:
     """What the target verifies for one request this step."""
 
@@ -161,7 +172,7 @@ class EngineCore:
         self.costs = CostModel()  # target forward seconds by tokens, shared by every request's scheduler
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
-        self.batch_tokens = 0  # tokens of the last step's tree forward (a metric)
+        self.batch_tokens = 0  # tokens of the last target forward (a metric)
         self.switch = DraftSwitch()  # whether a step proposes at all, measured per batch size
         # per drafter: acceptance odds by ([source,] depth, rank[, strength]) pooled over its requests
         # (Scheduler.odds): a request of 128 tokens sees too few verdicts to learn them alone (its estimates stayed
@@ -193,30 +204,20 @@ class EngineCore:
         done = self.retire([r for r in (*self.waiting, *self.active) if r.cancelled])
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
-        prefilling = [r for r in self.active if r.root is None]
         # the switch decides (and learns from) only steps with a greedy request that would follow it
         switched = any(r.drafter is not None and r.cfg.greedy for r in decoding)
         t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
         drafts = self.propose(decoding, drafting)  # a request whose proposal raised is not among them: it failed
-        padded = self.engine.padded_batches
-        counts = dict(zip(drafts, allot([d.cands or Candidates((), ()) for d in drafts.values()],
-                                        self.costs.seconds, self.cfg.step_tokens, padded)))
-        self.switch.allotted([counts[r] for r, d in drafts.items() if d.cands is not None and d.cands.order])
-        trees = self.each([r for r, d in drafts.items() if not d.gated],
-                          lambda r: self.tree_work(r, drafts[r], counts[r]))
-        t = time.perf_counter()
-        logits, features = self.forward({r: w.seq for r, w in trees.items()})
-        verify_s = time.perf_counter() - t
-        if trees:
-            sizes = [len(w.seq.tokens) for w in trees.values()]
-            self.batch_tokens = sum(sizes)
-            self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, verify_s)
-        verifying = [r for r, d in drafts.items() if d.gated or r in logits]
-        committed = sum(self.each(verifying, lambda r: self.commit(r, drafts[r], trees.get(r), logits.get(r),
-                                                                   verify_s, features.get(r))).values())
+        chunks = self.chunks([r for r in self.active if r.root is None], self.cfg.step_tokens - len(drafts))
+        trees = self.trees(drafts, sum(len(c.tokens) for c in chunks.values()))
+        out = self.forward({r: w.seq for r, w in trees.items()}, chunks)
+        verifying = [r for r, d in drafts.items() if d.gated or r in out.logits]
+        committed = sum(self.each(verifying, lambda r: self.commit(r, drafts[r], trees.get(r), out.logits.get(r),
+                                                                   out.tree_s, out.features.get(r))).values())
         if switched:
-            self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0)
-        self.prefill(prefilling)
+            self.switch.record(len(decoding), drafting, committed, time.perf_counter() - t0 - out.prefill_s)
+        self.each([r for r in chunks if r in out.logits],
+                  lambda r: self.prefilled(r, len(chunks[r].tokens), out.logits[r], out.features.get(r)))
         return done + self.retire([r for r in self.active if r.error is not None or r.stop.reason is not None])
 
     def abort(self, e: Exception) -> list[Request]:
@@ -244,12 +245,31 @@ class EngineCore:
         log.error("request %s failed; it leaves the batch, the others go on", r.id, exc_info=e)
         r.error = e
 
-    def forward(self, seqs: dict[Request, SeqInput]) -> tuple[dict, dict]:
-        """ONE target forward over the requests' sequences -> their logits [r_b, V] and, for those whose drafter
+    def forward(self, trees: dict[Request, SeqInput], chunks: dict[Request, SeqInput]) -> Forward:
+        """ONE target forward over the decoding requests' trees and the joining requests' prompt chunks. A padded
+        engine (a batch costs it B x T: a prompt chunk would pad every tree to the chunk's length) runs the chunks
+        in a second forward. Each forward's seconds teach the cost model; the trees' share of them (by the cost
+        model's price of their tokens) is what verifying cost."""
+        padded = self.engine.padded_batches
+        logits, features, tree_s, prefill_s = {}, {}, 0.0, 0.0
+        for seqs in ([trees, chunks] if padded else [trees | chunks]):
+            if not seqs:
+                continue
+            t = time.perf_counter()
+            got, feats = self.run(seqs)
+            s, sizes = time.perf_counter() - t, [len(q.tokens) for q in seqs.values()]
+            self.batch_tokens = sum(sizes)
+            self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, s)
+            n = sum(len(q.tokens) for r, q in seqs.items() if r in trees)
+            share = 1.0 if n == self.batch_tokens else n and self.costs.seconds(n) / self.costs.seconds(sum(sizes))
+            tree_s, prefill_s = tree_s + s * share, prefill_s + s * (1 - share)
+            logits, features = logits | got, features | feats
+        return Forward(logits, features, tree_s, prefill_s)
+
+    def run(self, seqs: dict[Request, SeqInput]) -> tuple[dict, dict]:
+        """engine.forward_batch over the requests' sequences -> their logits [r_b, V] and, for those whose drafter
         wants them, hidden states [n_b, k*C], by request; a request whose own forward raises fails and is left
         out (engines.isolation)."""
-        if not seqs:
-            return {}, {}
         hidden = [] if any(wants_hidden(r) for r in seqs) else None
         logits, features = {}, {}
         for i, (r, out) in enumerate(zip(seqs, forward_each(self.engine, list(seqs.values()), hidden))):
@@ -392,20 +412,30 @@ class EngineCore:
              accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))
         return len(verdict.accepted) + 1
 
-    def prefill(self, joining: list[Request]) -> None:
-        """Run the next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all) in one forward;
-        a request whose prompt is done picks its first token (free) and starts its drafter."""
-        left, chunks = self.cfg.prefill_tokens, {}
+    def chunks(self, joining: list[Request], room: int) -> dict[Request, SeqInput]:
+        """The next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all, at most `room` and at
+        least one token): they ride in the step's forward; a prompt's last chunk asks for its last row's logits."""
+        left, chunks = min(self.cfg.prefill_tokens, max(room, 1)), {}
         for r in joining:
             n = min(len(r.prompt_ids) - r.prefilled, left)
             if n <= 0:
                 break
-            last = r.prefilled + n == len(r.prompt_ids)  # the prompt's last chunk: its last row's logits only
+            last = r.prefilled + n == len(r.prompt_ids)
             chunks |= self.each([r], lambda r: chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
                                                            (n - 1,) if last else ()))
             left -= n
-        logits, features = self.forward(chunks)  # logits [1 or 0, V]
-        self.each(list(logits), lambda r: self.prefilled(r, len(chunks[r].tokens), logits[r], features.get(r)))
+        return chunks
+
+    def trees(self, drafts: dict[Request, Draft], prefill: int) -> dict[Request, TreeWork]:
+        """Each decoding request's tree cut to its share of the goodput allotment across all of them
+        (scheduler.allot), within the step's tokens left by `prefill` prompt tokens and priced as riding on them."""
+        padded = self.engine.padded_batches
+        seconds = self.costs.seconds if padded or not prefill else (lambda n: self.costs.seconds(n + prefill))
+        counts = dict(zip(drafts, allot([d.cands or Candidates((), ()) for d in drafts.values()], seconds,
+                                        self.cfg.step_tokens - prefill, padded)))
+        self.switch.allotted([counts[r] for r, d in drafts.items() if d.cands is not None and d.cands.order])
+        return self.each([r for r, d in drafts.items() if not d.gated],
+                         lambda r: self.tree_work(r, drafts[r], counts[r]))
 
     def prefilled(self, r: Request, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """After a prompt chunk of `n` tokens ran (logits [1 or 0, V]; hidden [n, k*C] for a drafter that wants

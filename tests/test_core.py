@@ -222,3 +222,35 @@ def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny, m
     assert [out[i].token_ids for i in range(5)] == want
     assert any(n > 1 for _, n in calls)  # probe steps only, or one request left (it always proposes)
     assert all(step % PROBE_EVERY == 0 or n == 1 for step, n in calls)
+
+
+@pytest.mark.parametrize("kind", ["onnx", "torch"])
+def test_a_joining_request_rides_in_the_step_s_one_target_forward(tiny, kind):
+    """Steps in which requests decode while another's prompt is prefilled in chunks run ONE target forward on a
+    packing engine (the default ONNX GQA graph): the prompt chunks ride with the trees, within one token budget;
+    a padded engine (torch: a batch costs B x T) runs the chunks in a second one. Every request still gets its
+    plain greedy tokens."""
+    want = [generate(engine(tiny, kind), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
+            for i in range(3)]
+    eng = engine(tiny, kind)
+    core = EngineCore(eng, 256, CoreConfig(slots=3, max_len=96, prefill_tokens=3, step_tokens=24))
+    calls, forward_batch = [], eng.forward_batch
+    eng.forward_batch = lambda seqs, hidden=None: calls.append(len(seqs)) or forward_batch(seqs, hidden)
+    reqs = [request(tiny, kind, i, d) for i, d in enumerate(["ngram", "plain", "ngram"])]
+    per_step, mixed, out, steps = [], 0, {}, 0
+    for i in (0, 1):
+        core.add(reqs[i])
+    while not core.idle or steps < 6:
+        if steps == 6:
+            core.add(reqs[2])  # PROMPTS[2]: 15 tokens, 5 chunks of 3 while the first two decode
+        joining = any(r.root is None for r in core.active) or bool(core.waiting)
+        decoding = sum(r.root is not None for r in core.active)
+        before = len(calls)
+        for r in core.step():
+            out[reqs.index(r)] = r.result()
+        per_step.append(len(calls) - before)
+        mixed += joining and decoding > 0
+        steps += 1
+    assert [out[i].token_ids for i in range(3)] == want
+    assert mixed >= 5  # the third prompt's chunks all ran while others decoded
+    assert max(per_step) == (1 if kind == "onnx" else 2)
