@@ -16,6 +16,8 @@ EXAMPLES = """examples:
   python -m bench serve --limit 8 --concurrency 1,4,16     # through Triton: spork vs plain per concurrency,
                                                           # batching server vs a one-at-a-time one (--max-batch 1)
   python -m bench serve --concurrency 1,4,16 --repeats 3   # each level 3 times, modes alternating: median ratios
+  python -m bench chat --limit 16 --concurrency 1,4,16     # two-turn MT-bench over the OpenAI API, prefix reuse on
+                                                          # and off: turn-2 TTFT, tokens/s, cached share, lossless
   python -m bench core --concurrency 1,4,8 --rounds 3    # the engine core in process: spork vs plain per
                                                           # concurrency, priced by one fitted cost table (no drift)
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
@@ -190,6 +192,17 @@ def main(argv=None) -> int:
     cr.add_argument("--modes", default="spork,plain", help="two modes, one of them plain (default: %(default)s)")
     cr.add_argument("--draft", default=None, help="the spork drafter (default: the build's default)")
     cr.add_argument("--out", default="results/core")
+    ch = sub.add_parser("chat", help="two-turn MT-bench through the OpenAI API, prefix reuse on and off: TTFT per "
+                        "turn, tokens/s, cached share, same text", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(ch)
+    ch.set_defaults(limit=16, engines="engines/default")
+    ch.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default: %(default)s)")
+    ch.add_argument("--slots", type=int, default=32, help="KV slots of the server (default: %(default)s)")
+    ch.add_argument("--repeats", type=int, default=1,
+                    help="measure reuse on and off this many times, their order alternating (default: %(default)s)")
+    ch.add_argument("--out", default="results/chat")
+    ch.add_argument("--json", action="store_true")
     sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(sk)
@@ -231,6 +244,10 @@ def main(argv=None) -> int:
             from . import core
 
             return core.main(args)
+        if args.command == "chat":
+            from . import chat
+
+            return chat.main(args)
         if args.command == "soak":
             from . import soak
 

@@ -104,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-queue", type=int, default=RepoConfig.max_queue,
                    help="requests waiting for a slot per instance; more are answered UNAVAILABLE (default: "
                         "%(default)s)")
+    t.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefill every prompt whole (default: a prompt that starts with a finished request's tokens, "
+                        "a conversation's next turn, reuses their KV rows)")
     t.add_argument("--unary-instances", type=int, default=RepoConfig.unary_instances,
                    help="spork_unary instances (no engines: they call spork), unary requests served at once "
                         "(default: %(default)s)")
@@ -263,7 +266,8 @@ def triton(a) -> int:
 
     device = "" if a.device == "onnx" else a.device
     repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances, a.slots,
-                             a.draft, a.max_context, a.max_queue, a.unary_instances, device, a.dtype))
+                             a.draft, a.max_context, a.max_queue, a.unary_instances, device, a.dtype,
+                             not a.no_prefix_reuse))
     print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
     return 0
 

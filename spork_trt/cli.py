@@ -77,9 +77,11 @@ def build_parser() -> Parser:
                            help=f.help + ("" if f.default is None else f" (default: {f.default})"))
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    from .chat_cli import add_chat_command
     from .serving_cli import add_serving_commands
 
     add_serving_commands(sub)
+    add_chat_command(sub)
     return p
 
 
@@ -153,10 +155,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        from . import serving_cli
+        from . import chat_cli, serving_cli
 
         commands = {"generate": cmd_generate, "serve": serving_cli.cmd_serve, "client": serving_cli.cmd_client,
-                    "demo": serving_cli.cmd_demo}
+                    "demo": serving_cli.cmd_demo, "chat": chat_cli.cmd_chat}
         return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ from .engines import SeqInput, chain_input
 from .engines.isolation import forward_each
 from .errors import QueueFull
 from .kv_cache import KVPool
+from .prefix_cache import PrefixCache
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
 from .stats import Stats
@@ -64,6 +65,7 @@ class CoreConfig:
     step_tokens: int = 384  # most tokens of a step's forward: every request's root, then prompt chunks, then nodes
     prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
     max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
+    prefix_reuse: bool = True  # a prompt starting with a finished request's rows reuses them (prefix_cache)
 
 
 @dataclass
@@ -169,6 +171,7 @@ class EngineCore:
     def __init__(self, engine, context: int, cfg: CoreConfig = CoreConfig()) -> None:
         self.engine, self.context, self.cfg = engine, context, cfg  # engine: stateless over the pool's slots
         self.pool: KVPool = engine.make_pool(cfg.slots, cfg.max_len)
+        self.prefixes = PrefixCache(self.pool)  # the free slots and the committed rows they still hold
         self.costs = CostModel()  # target forward seconds by tokens, shared by every request's scheduler
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -282,10 +285,15 @@ class EngineCore:
         return logits, features
 
     def admit(self) -> None:
-        while self.waiting and (slot := self.pool.take()) is not None:
-            r = self.waiting.popleft()
-            r.slot, r.target = slot, self.engine.fresh()
-            r.target.cache = self.pool.caches[slot]
+        """Waiting requests into free slots, oldest first; one whose prompt starts with the rows a slot kept
+        prefills only the rest (a drafter fed the target's hidden states needs every row's: it prefills all)."""
+        while self.waiting and self.pool.free:
+            r = self.waiting[0]
+            taken = self.prefixes.take(r.prompt_ids, reuse=self.cfg.prefix_reuse and not wants_hidden(r))
+            self.waiting.popleft()
+            r.slot, r.target = taken.slot, self.engine.fresh()
+            r.target.cache = self.pool.caches[taken.slot]
+            r.prefilled = r.stats.cached_tokens = taken.reused
             self.active.append(r)
 
     def retire(self, leaving: list[Request]) -> list[Request]:
@@ -295,7 +303,8 @@ class EngineCore:
                 self.waiting.remove(r)
             else:
                 self.active.remove(r)
-                self.pool.give_back(r.slot)
+                # what the target ran, kept for a later prompt that starts with it (nothing of a failed request)
+                self.prefixes.give_back(r.slot, [] if r.error else [*r.prompt_ids, *r.stop.tokens])
                 r.slot, r.target = None, None
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \

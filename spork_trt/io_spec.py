@@ -206,6 +206,7 @@ STATS_OUTPUTS = (  # from the spork step straight to the client, in every respon
     TritonTensor("total_draft_tokens", "INT32", (1,)),
     TritonTensor("mean_accepted_length", "FP32", (1,)),
     TritonTensor("num_steps", "INT32", (1,)),
+    TritonTensor("cached_tokens", "INT32", (1,)),  # prompt tokens whose KV rows were reused (prefix_cache)
     TritonTensor("stop_reason", "STRING", (1,)),  # "" until the final response: eos | max_tokens | stop_string
 )
 TEXT_OUTPUT = TritonTensor("text_output", "STRING", (1,))

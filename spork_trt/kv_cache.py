@@ -107,7 +107,7 @@ class KVPool:
     """One preallocated KV buffer pair for `slots` sequences, allocated once and never reallocated (fixed
     addresses). Slot s is a cache of the engine's own kind over a view of the buffers (`caches[s]`), so every
     per-sequence operation (forward, commit, truncate, adopt) works on a slot unchanged. Requests take and give
-    back slots; a slot given back is rolled back to length 0."""
+    back slots; a slot given back is rolled back to length 0, or to the prefix it keeps for reuse (prefix_cache)."""
 
     def __init__(self, caches: list[Rows]) -> None:
         self.caches = caches  # [slots] views into one buffer pair
@@ -125,12 +125,16 @@ class KVPool:
     def in_use(self) -> int:
         return self.slots - len(self.free)
 
-    def take(self) -> int | None:
-        """A free slot's index, or None when every slot is in use."""
+    def take(self, slot: int | None = None) -> int | None:
+        """A free slot's index (`slot`, or the lowest), or None when every slot is in use."""
+        if slot is not None:
+            self.free.remove(slot)
+            return slot
         return self.free.pop() if self.free else None
 
-    def give_back(self, slot: int) -> None:
+    def give_back(self, slot: int, keep: int = 0) -> None:
+        """`slot` is free again, its first `keep` committed rows kept (prefix_cache), the rest rolled back."""
         assert slot not in self.free and 0 <= slot < self.slots, slot
-        self.caches[slot].truncate(0)
+        self.caches[slot].truncate(keep)
         self.free.append(slot)
         self.free.sort(reverse=True)

@@ -68,6 +68,7 @@ class Chunk:
                   "total_draft_tokens": np.array([[st.draft_tokens]], np.int32),
                   "mean_accepted_length": np.array([[st.mean_accepted_length]], np.float32),
                   "num_steps": np.array([[st.steps]], np.int32),
+                  "cached_tokens": np.array([[st.cached_tokens]], np.int32),
                   "stop_reason": np.array([[self.stop_reason.encode()]], np.object_)}
         spork = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
         assert list(values) == [t.name for t in spork.outputs]
@@ -176,13 +177,16 @@ class Metrics:
 
     active: int = 0  # requests holding a slot
     queued: int = 0  # requests waiting for one
-    batch_tokens: int = 0  # tokens of the last step's tree forward
+    batch_tokens: int = 0  # tokens of the last target forward (trees and prompt chunks)
     steps: int = 0  # engine core steps so far
     active_steps: int = 0  # requests in each step, summed over steps (mean batch size = active_steps / steps)
     generated_tokens: int = 0  # tokens committed, all requests
     draft_tokens: int = 0  # draft tokens verified, all finished requests
     accepted_tokens: int = 0  # draft tokens accepted, all finished requests
     tokens_per_second: float = 0.0  # committed tokens per second over the last steps (moving average)
+    prefix_hits: int = 0  # requests admitted onto a finished request's KV rows (prefix_cache)
+    prefix_reused_tokens: int = 0  # prompt tokens they did not prefill
+    prefix_evictions: int = 0  # kept rows dropped to admit another request
     loop_up: int = 1  # 1 while the engine loop runs; 0 once it stopped (every request is then refused UNAVAILABLE)
 
 
@@ -345,6 +349,8 @@ class Service:
                 deliver(t, t.fail, public_error(e, req.id))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
+        p = self.core.prefixes.stats
+        m.prefix_hits, m.prefix_reused_tokens, m.prefix_evictions = p.hits, p.reused_tokens, p.evictions
         m.active_steps += len(self.core.active) + len(finished)
         m.generated_tokens += new_tokens
         m.tokens_per_second = ema(m.tokens_per_second or None, new_tokens / max(step_s, 1e-9))

@@ -10,6 +10,7 @@ class Stats:
     draft_tokens: int = 0  # draft tokens verified by the target
     accepted_tokens: int = 0  # draft tokens accepted
     committed_tokens: int = 0  # accepted + bonus, after stop truncation
+    cached_tokens: int = 0  # prompt tokens whose KV rows a finished request left (prefix reuse): not prefilled
     time_s: float = 0.0
     prefill_s: float = 0.0
     propose_s: float = 0.0

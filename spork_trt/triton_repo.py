@@ -39,6 +39,7 @@ class RepoConfig:
     unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
     dtype: str = "bf16"  # the device engine's precision (DEVICE_DTYPES)
+    prefix_reuse: bool = True  # a prompt starting with a finished request's KV rows reuses them (prefix_cache)
 
     @property
     def repo(self) -> Path:
@@ -191,7 +192,7 @@ def render(cfg: RepoConfig) -> Path:
     params = {
         "preprocessing": {"engines": where},
         "spork": {"engines": where, "draft": cfg.draft, "slots": str(cfg.slots), "max_len": str(max_len),
-                  "max_queue": str(cfg.max_queue),
+                  "max_queue": str(cfg.max_queue), "prefix_reuse": str(int(cfg.prefix_reuse)),
                   "providers": GPU_PROVIDERS if cfg.profile == "gpu-onnx" else "CPUExecutionProvider",
                   "device": cfg.target_device, "dtype": cfg.dtype, "_count": str(cfg.instances)},
         "spork_unary": {"_count": str(cfg.unary_instances)},

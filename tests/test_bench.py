@@ -315,3 +315,22 @@ def test_bench_run_interleaves_rounds_on_the_real_engines(default_engines, tmp_p
     bad = subprocess.run([sys.executable, "-m", "bench", "run", "--rounds", "0", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--rounds" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_bench_chat_pairs_reuse_on_with_off_and_counts_differing_turns():
+    from bench.chat import mismatches, ratios, table
+
+    def row(reuse, conc, ttft2, tps, texts):
+        turn = {"ttft_p50_s": ttft2, "ttft_p90_s": ttft2, "prompt_tokens": 100, "cached_tokens": 80 if reuse else 0}
+        return {"reuse": reuse, "concurrency": conc, "output_tokens_per_second": tps, "turn1": turn, "turn2": turn,
+                "texts": texts}
+
+    rows = [row(True, 1, 0.1, 60.0, [["a", "b"]]), row(False, 1, 0.4, 50.0, [["a", "b"]]),
+            row(True, 4, 0.2, 120.0, [["a", "b"], ["c", "x"]]), row(False, 4, 0.3, 100.0, [["a", "b"], ["c", "d"]])]
+    assert mismatches(rows) == 1
+    assert ratios(rows) == [{"concurrency": 1, "turn2_ttft_p50_on_over_off": 0.25, "tokens_per_second_on_over_off": 1.2},
+                            {"concurrency": 4, "turn2_ttft_p50_on_over_off": 0.667,
+                             "tokens_per_second_on_over_off": 1.2}]
+    text = table({"git_sha": "abc", "conversations": 2, "max_new_tokens": 8, "slots": 4, "levels": rows,
+                  "ratios": ratios(rows), "mismatches": 1})
+    assert "| on | 1 | 0.100 / 0.100 | 0.100 / 0.100 | 80% | 60.0 |" in text and "on / off 0.25x" in text

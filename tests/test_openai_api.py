@@ -123,13 +123,15 @@ def test_chat_equals_local_greedy_streamed_or_not(api, client, reference):
         assert r.choices[0].message.content == want, prompt[:40]
         assert r.choices[0].finish_reason == finish_of(want_ids) and r.object == "chat.completion"
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want_ids))
-        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert 0 <= r.usage.prompt_tokens_details.cached_tokens < len(ids)
         spec = r.model_extra["metrics"]["speculative_decoding"]
         assert spec["mean_accepted_length"] >= 1 and 0 <= spec["acceptance_rate"] <= 1 and spec["draft_tokens"] >= 0
         text, finish, usage, metrics = streamed(client, "chat", **kw)
         assert text == want and finish == r.choices[0].finish_reason
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(want_ids))
         assert metrics["speculative_decoding"]["steps"] >= 1
+        # the same prompt again: it reuses the rows the first answer left (all but its last token), same text
+        assert usage.prompt_tokens_details.cached_tokens == len(ids) - 1
 
 
 @slow
@@ -249,6 +251,34 @@ def test_models_health_and_a_client_that_leaves_cancels_its_request(api, client,
     while log.read_text(errors="replace").count("request cancelled") == before:
         assert time.monotonic() < deadline, "the gRPC stream to spork was not cancelled"
         time.sleep(0.2)
+
+
+@slow
+def test_a_second_turn_reuses_the_first_and_the_chat_cli_shows_it(api, client, reference):
+    """A conversation's second turn (the first question, our answer, a new question) prefills only what is new:
+    `cached_tokens` counts the reused prompt tokens and the answer equals local plain greedy decoding of the whole
+    conversation. `spork_trt chat` runs the same two turns from a pipe."""
+    base, model, _ = api
+    first = [{"role": "user", "content": "Name three rivers in Europe."}]
+    a1 = client.chat.completions.create(model=model, messages=first, max_tokens=MAX_TOKENS, temperature=0)
+    convo = first + [{"role": "assistant", "content": a1.choices[0].message.content},
+                     {"role": "user", "content": "Which of them is the longest?"}]
+    a2 = client.chat.completions.create(model=model, messages=convo, max_tokens=MAX_TOKENS, temperature=0)
+    hf = reference.tok.hf
+    ids = hf.encode(hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)
+    assert a2.choices[0].message.content == reference(ids)[0]
+    # at least the first turn's prompt; the answer as far as its text re-encodes to the ids generated (a generated
+    # "\n\n" is one token, the template's encoding of it two)
+    first_ids = hf.encode(hf.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert len(first_ids) <= a2.usage.prompt_tokens_details.cached_tokens < len(ids)
+    chat = subprocess.run([sys.executable, "-m", "spork_trt", "chat", "--url", base + "/v1", "--max-tokens", "16"],
+                          input="Name three rivers in Europe.\nWhich of them is the longest?\n", capture_output=True,
+                          text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    reused = [int(line.split("of which ")[1].split()[0]) for line in chat.stderr.splitlines() if "of which" in line]
+    assert len(reused) == 2 and reused[1] >= len(first_ids) and chat.stdout.count("\n") >= 2
 
 
 @slow

@@ -100,7 +100,7 @@ async def whole(head: rs.Head, events, prompt_tokens: int) -> JSONResponse:
     async for e in events:
         if isinstance(e, End):
             return JSONResponse(rs.whole(head, "".join(text), e.finish_reason,
-                                         rs.usage(prompt_tokens, e.completion_tokens), e.stats))
+                                         rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
         text.append(e)
     raise AssertionError("answer() ends with an End")
 
@@ -121,7 +121,7 @@ async def sse(head: rs.Head, first, events, stream: Stream, include_usage: bool,
                 final["metrics"] = rs.metrics(e.stats)
                 yield data(final)
                 if include_usage:
-                    yield data(rs.usage_chunk(head, rs.usage(prompt_tokens, e.completion_tokens), e.stats))
+                    yield data(rs.usage_chunk(head, rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
                 yield "data: [DONE]\n\n"
                 return
             yield data(rs.chunk(head, e, with_usage=include_usage))

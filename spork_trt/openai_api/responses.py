@@ -28,9 +28,11 @@ class Head:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict[str, float]) -> dict:
+    """`stats`: the final response's; its cached_tokens are the prompt tokens whose KV rows were reused."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))}}
 
 
 def metrics(stats: dict[str, float]) -> dict:

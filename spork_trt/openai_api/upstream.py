@@ -73,7 +73,7 @@ class Stream:
         self.ids.extend(window[sent:])
         stats = {k: float(result.as_numpy(k).reshape(-1)[0]) for k in
                  ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "mean_accepted_length",
-                  "num_steps")}
+                  "num_steps", "cached_tokens")}
         reason = result.as_numpy("stop_reason").reshape(-1)[0]
         return Piece(text_delta(self.tok, window, sent, final), self.ids, stats,
                      reason.decode() if isinstance(reason, bytes) else str(reason), final)

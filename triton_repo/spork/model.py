@@ -21,7 +21,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS = (  # (name, kind, help, Metrics field)
     ("spork_active_requests", "GAUGE", "requests holding a KV slot", "active"),
     ("spork_queued_requests", "GAUGE", "requests waiting for a KV slot", "queued"),
-    ("spork_batch_tokens", "GAUGE", "tokens of the last step's target forward (all requests' trees)", "batch_tokens"),
+    ("spork_batch_tokens", "GAUGE", "tokens of the last target forward (trees and prompt chunks)", "batch_tokens"),
     ("spork_tokens_per_second", "GAUGE", "committed tokens per second, all requests (moving average)",
      "tokens_per_second"),
     ("spork_acceptance_rate", "GAUGE", "accepted / verified draft tokens of the finished requests", None),
@@ -30,6 +30,11 @@ METRICS = (  # (name, kind, help, Metrics field)
     ("spork_steps_total", "COUNTER", "engine core steps", "steps"),
     ("spork_active_request_steps_total", "COUNTER", "requests in each step, summed over steps", "active_steps"),
     ("spork_generated_tokens_total", "COUNTER", "tokens committed, all requests", "generated_tokens"),
+    ("spork_prefix_cache_hits_total", "COUNTER", "requests admitted onto a finished request's KV rows", "prefix_hits"),
+    ("spork_prefix_cache_reused_tokens_total", "COUNTER", "prompt tokens not prefilled: their KV rows were reused",
+     "prefix_reused_tokens"),
+    ("spork_prefix_cache_evictions_total", "COUNTER", "kept KV rows dropped to admit another request",
+     "prefix_evictions"),
 )
 
 
@@ -50,7 +55,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         core = CoreConfig(slots=int(params["slots"]), max_len=int(params["max_len"]),
-                          max_queue=int(params["max_queue"]))
+                          max_queue=int(params["max_queue"]), prefix_reuse=params.get("prefix_reuse", "1") == "1")
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
                                     core, device=instance_device(params.get("device", ""), args),
                                     dtype=params.get("dtype", "bf16"))

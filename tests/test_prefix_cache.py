@@ -1,0 +1,72 @@
+"""Prefix reuse in the KV pool on tiny seeded random models: a prompt that starts with a finished request's rows
+reuses them and gets exactly the tokens it gets with reuse off (greedy and seeded sampling, plain and drafted);
+a hit is checked token by token; eviction is LRU and never blocks admission."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.config import GenerateConfig, SamplingConfig
+from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.prefix_cache import BLOCK, PrefixCache
+from tests.conftest import run_core
+from tests.test_core import drafter, engine, tiny  # noqa: F401 - the module's tiny models fixture
+
+FIRST = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def ask(tiny, kind, prompt, draft="plain", sampling=SamplingConfig(), n=20):  # noqa: F811
+    from spork_trt.config import SpecConfig
+    spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
+    return Request(list(prompt), GenerateConfig(max_new_tokens=n, sampling=sampling), frozenset(), spec,
+                   drafter(tiny, kind, draft, sampling))
+
+
+@pytest.mark.parametrize("kind,draft,sampling", [("onnx", "plain", SamplingConfig()), ("onnx", "ngram", SamplingConfig()),
+                                                 ("torch", "early", SamplingConfig()),
+                                                 ("torch", "early", SamplingConfig(temperature=0.8, seed=7))])
+def test_a_second_turn_reuses_the_first_turn_s_rows_and_answers_the_same(tiny, kind, draft, sampling):  # noqa: F811
+    """Turn two = turn one's prompt + its answer + a new message: it is admitted onto turn one's slot, prefills
+    only the new part, and its tokens equal those with reuse off."""
+    answers, cached = {}, {}
+    for reuse in (True, False):
+        core = EngineCore(engine(tiny, kind), 256, CoreConfig(slots=2, max_len=128, prefix_reuse=reuse))
+        first = run_core(core, [ask(tiny, kind, FIRST, draft, sampling)])[0]
+        second = FIRST + first.token_ids + [7, 8, 9, 10, 11]
+        out = run_core(core, [ask(tiny, kind, second, draft, sampling), ask(tiny, kind, FIRST[:20], draft, sampling)])
+        answers[reuse] = [first.token_ids, out[0].token_ids, out[1].token_ids]
+        cached[reuse] = (out[0].stats.cached_tokens, core.prefixes.stats.hits, core.pool.in_use)
+    assert answers[True] == answers[False]
+    # the first turn's rows: its prompt and answer as far as the target ran them (its last token never ran)
+    assert cached[True] == (len(FIRST) + 20 - 1, 1, 0) and cached[False] == (0, 0, 0)
+
+
+def test_eviction_is_least_recently_kept_and_never_blocks(tiny):  # noqa: F811
+    core = EngineCore(engine(tiny, "onnx"), 256, CoreConfig(slots=2, max_len=128))
+    a, b, c = FIRST, FIRST[::-1], [5] * 30
+    run_core(core, [ask(tiny, "onnx", a, n=4)])
+    run_core(core, [ask(tiny, "onnx", b, n=4)])
+    assert len(core.prefixes.kept) == 2  # both slots hold a finished request's rows
+    run_core(core, [ask(tiny, "onnx", c, n=4)])  # no hit: the least recently kept (a's) is evicted
+    assert core.prefixes.stats.evictions == 1 and core.prefixes.match(a + [1])[0] is None
+    assert core.prefixes.match(b + [1])[1] == len(b)
+    out = run_core(core, [ask(tiny, "onnx", b + [1, 2], n=4)])[0]
+    assert out.stats.cached_tokens == len(b) and core.prefixes.stats.hits == 1
+
+
+def test_a_hit_is_checked_token_by_token_and_keeps_the_last_prompt_token():
+    class Pool:
+        free, caches = [0, 1], None
+
+    cache = PrefixCache(Pool())
+    cache.kept, cache.used = {0: tuple(range(40)), 1: tuple(range(20)) + (99,) * 20}, {0: 0, 1: 1}
+    cache.blocks = {}
+    for s, toks in cache.kept.items():
+        from spork_trt.prefix_cache import chain_hashes
+        for h in chain_hashes(toks):
+            cache.blocks.setdefault(h, set()).add(s)
+    assert cache.match(list(range(40))) == (0, 39)  # all but the last prompt token
+    assert cache.match(list(range(25)) + [5]) == (0, 25)
+    assert cache.match(list(range(BLOCK - 1)) + [0, 1]) == (None, 0)  # under one block in common
+    cache.kept[0] = (1,) * 40  # as if a hash collided: the tokens decide
+    assert cache.match(list(range(40)))[0] == 1
