@@ -2,13 +2,15 @@
 
 - `hf-greedy`, `hf-prompt-lookup`: transformers `generate` from the same checkpoint (`prompt_lookup_num_tokens=10`);
 - `llama-cpp`, `llama-cpp-prompt-lookup`: llama.cpp through llama-cpp-python on the same GGUF file, in its own
-  precision (the default's Q4_1), all cores; the second with its prompt lookup drafter (10 tokens);
+  precision (the default's Q4_1), all cores, its extra buffer types off (no_extra_buffer_types); the second with
+  its prompt lookup drafter (10 tokens);
 - `ort-genai`: onnxruntime-genai on an fp32 CPU model its builder makes from the same checkpoint (cached under
   `ENGINES/peers/`).
 
 A peer whose package is missing says what installs it (`make bench-peers`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -92,14 +94,35 @@ def llama_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
 
         draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
     cores = os.cpu_count() or 1
-    llm = llama_cpp.Llama(model_path=str(ck.path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
-                          verbose=False, **draft)
+    with no_extra_buffer_types(llama_cpp):
+        llm = llama_cpp.Llama(model_path=str(ck.path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
+                              verbose=False, **draft)
 
     def run(ids: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
         llm.reset()  # no KV reuse from the previous prompt: every arm prefills every prompt in full
         return until_eos(llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                                       reset=True), max_new, eos)
     return run
+
+
+@contextlib.contextmanager
+def no_extra_buffer_types(llama_cpp):
+    """Load with llama.cpp's extra buffer types off (`use_extra_bufts`: the AMX and CPU weight-repacking buffers):
+    with them, llama-cpp-python 0.3.36 segfaults in the first eval of the default Q4_1 GGUF on an AMX host (a Xeon
+    with AMX_INT8). Its plain CPU kernels (AVX-512 here) still run every matmul."""
+    module = sys.modules[llama_cpp.Llama.__module__].llama_cpp  # the ctypes bindings llama.py calls
+    default = module.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = default
 
 
 # -- onnxruntime-genai ----------------------------------------------------------------------------------------------
