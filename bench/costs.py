@@ -111,7 +111,7 @@ def main(a) -> int:
     target.reset(a.context + max(*nodes, a.prefill_chunk) + 1)
     prefill(target, context)
     rows = [{"nodes": n, "target_ms": forward_ms(target, n, a.repeats),
-             "verifier_ms": forward_ms(target, n, a.repeats, lambda *x: verifier.forward(target, *x))}
+             "verifier_ms": forward_ms(target, n, a.repeats, lambda *x: verifier.forward(target.cache, *x))}
             for n in nodes]
     chunk = a.prefill_chunk  # a prompt chunk: logits at every row (before logit_rows) vs at its last row only
     prefill_rows = {"tokens": chunk, "all_rows_ms": forward_ms(target, chunk, a.repeats),

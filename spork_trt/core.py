@@ -36,7 +36,7 @@ from .drafters import drive_each
 from .engines import SeqInput, chain_input
 from .engines.isolation import forward_each
 from .errors import QueueFull
-from .kv_cache import KVPool
+from .kv_cache import KVPool, Rows
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
@@ -99,7 +99,7 @@ class Request:
     sched: Scheduler | None = None
     gen: torch.Generator | None = None
     slot: int | None = None
-    target: object | None = None  # the target engine bound to the slot's cache
+    cache: Rows | None = None  # its slot's KV rows in the pool (the target engine itself is stateless over them)
     room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
     prefilled: int = 0  # prompt tokens run so far
     root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
@@ -291,8 +291,7 @@ class EngineCore:
             r = self.waiting[0]
             taken = self.prefixes.take(r.prompt_ids, reuse=self.cfg.prefix_reuse and not wants_hidden(r))
             self.waiting.popleft()
-            r.slot, r.target = taken.slot, self.engine.fresh()
-            r.target.cache = self.pool.caches[taken.slot]
+            r.slot, r.cache = taken.slot, self.pool.caches[taken.slot]
             r.prefilled = r.stats.cached_tokens = taken.reused
             self.active.append(r)
 
@@ -305,7 +304,7 @@ class EngineCore:
                 self.active.remove(r)
                 # what the target ran, kept for a later prompt that starts with it (nothing of a failed request)
                 self.prefixes.give_back(r.slot, [] if r.error else [*r.prompt_ids, *r.stop.tokens])
-                r.slot, r.target = None, None
+                r.slot, r.cache = None, None
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \
                 sc.verifier_offs
@@ -335,7 +334,7 @@ class EngineCore:
         """The requests' trees scored in ONE verifier forward; if it raises, each alone (its rows dropped first),
         so only a request whose own scoring raises fails."""
         def job(r: Request) -> ScoreJob:
-            return ScoreJob(r.verifier, r.target, r.behind, plans[r].proposed, r.sched.recent,
+            return ScoreJob(r.verifier, r.cache, r.behind, plans[r].proposed, r.sched.recent,
                             [*r.prompt_ids, *r.stop.tokens], len(r.prompt_ids))
 
         try:
@@ -343,7 +342,7 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - any failure: find the requests it belongs to
             log.warning("scoring %d requests' trees together failed (%r): scoring each alone", len(reqs), e)
         for r in reqs:
-            r.target.cache.forget(0)  # the verifier's rows; the target's own pending none (score_batch's contract)
+            r.cache.forget(0)  # the verifier's rows; the target's own pending none (score_batch's contract)
         return self.each(reqs, lambda r: score_batch([job(r)])[0])
 
     def plan(self, reqs: list[Request], drafting: bool) -> dict[Request, Plan]:
@@ -383,9 +382,9 @@ class EngineCore:
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
         keep = r.sched.kept(d.proposed, d.cands, count)
         tree = d.proposed.subtree(keep)
-        b, buf = len(r.behind), compile_tree(tree.after(r.behind).parents, r.target.length)
+        b, buf = len(r.behind), compile_tree(tree.after(r.behind).parents, r.cache.length)
         children = tuple(tuple(c - b for c in ch) for ch in buf.children[b:])
-        seq = SeqInput(r.target.cache, (*r.behind, *tree.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors)
+        seq = SeqInput(r.cache, (*r.behind, *tree.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors)
         return TreeWork(keep, tree, children, seq)
 
     def commit(self, r: Request, d: Draft, work: TreeWork | None, logits: torch.Tensor | None,
@@ -403,7 +402,7 @@ class EngineCore:
             b, keep, tree = len(r.behind), work.keep, work.tree
             verdict = verify(tree, work.children, logits[b:], r.cfg, r.gen)
             kept_rows = list(range(b)) + [b + i for i in verdict.path]
-            r.target.commit(kept_rows)
+            r.cache.commit(kept_rows)
             if hidden is not None:
                 r.drafter.observe(hidden[kept_rows])  # [committed rows, k*C]
             r.behind = []
@@ -430,7 +429,7 @@ class EngineCore:
             if n <= 0:
                 break
             last = r.prefilled + n == len(r.prompt_ids)
-            chunks |= self.each([r], lambda r: chain_input(r.target.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
+            chunks |= self.each([r], lambda r: chain_input(r.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
                                                            (n - 1,) if last else ()))
             left -= n
         return chunks
@@ -449,7 +448,7 @@ class EngineCore:
     def prefilled(self, r: Request, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """After a prompt chunk of `n` tokens ran (logits [1 or 0, V]; hidden [n, k*C] for a drafter that wants
         them): keep its rows; after the last chunk, the first token."""
-        r.target.commit()
+        r.cache.commit()
         if hidden is not None:
             r.drafter.observe(hidden)  # the chunk's [n, k*C]: its reset takes the whole prompt's
         r.prefilled += n
@@ -457,7 +456,7 @@ class EngineCore:
             return
         r.root = pick(logits[-1], r.cfg.sampling, r.gen)
         if r.drafter is not None:
-            r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.target)
+            r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.cache)
         r.stats.prefill_s = time.perf_counter() - r.t0
         emit(r, [r.root], draft=0, accepted=0)
 

@@ -28,6 +28,7 @@ from .config import SamplingConfig, SpecConfig
 from .datastore import KEY, Datastore
 from .engines import SeqInput, chain_input, prefill
 from .engines.isolation import forward_each
+from .kv_cache import Rows
 from .sampling import processed_probs
 from .tree import DraftTree, covered
 from .verify import Verdict
@@ -40,8 +41,8 @@ class Drafter(Protocol):
     batched: ClassVar[bool] = False  # proposes through `proposing` (the engine core batches its draft forwards)
     wants_hidden: ClassVar[bool] = False  # the engine core passes the target's hidden states to `observe`
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
-        """Start a sequence; `target`: the target engine, its prompt rows committed (a self-draft may take them)."""
+    def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
+        """Start a sequence; `rows`: the target's KV cache, the prompt's rows committed (a self-draft may take them)."""
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree: ...
 
@@ -78,10 +79,9 @@ class ModelDrafter(Drafter):
     rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
     batched: ClassVar[bool] = True
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
         self.engine.reset(max_len)
-        adopted = (self.share_prompt and target is not None
-                   and self.engine.cache.adopt(target.cache, len(prompt_ids)))
+        adopted = (self.share_prompt and rows is not None and self.engine.cache.adopt(rows, len(prompt_ids)))
         if not adopted:
             prefill(self.engine, prompt_ids)
         self.behind, self.rows = [], {}
@@ -280,7 +280,7 @@ class NgramDrafter(Drafter):
     context: list[int] = field(default_factory=list)
     index: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> start positions, ascending
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
         self.context, self.index = [], {}
         self.extend(prompt_ids)
 
@@ -329,9 +329,9 @@ class HybridDrafter(Drafter):
     model_spec: SpecConfig  # the model drafter's own tree shape
     batched: ClassVar[bool] = True
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
         self.ngram.reset(prompt_ids, max_len)
-        self.model.reset(prompt_ids, max_len, target)
+        self.model.reset(prompt_ids, max_len, rows)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         return drive([self.proposing(root, spec)])[0]
@@ -357,7 +357,7 @@ class StoreDrafter(Drafter):
     ngram: NgramDrafter
     store: Datastore
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
         self.ngram.reset(prompt_ids, max_len)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:

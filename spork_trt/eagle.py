@@ -65,7 +65,7 @@ class EagleDrafter(Drafter):
         self.observed.append(hidden)
 
     @torch.inference_mode()
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows=None) -> None:
         """Start a sequence whose prompt's target hidden states were observed (one per prompt token)."""
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = self.step.make_cache(max_len) if self.step else KVCache(self.head.hc.layer_config(), max_len)
@@ -151,9 +151,9 @@ class StoreHeadDrafter(Drafter):
     def observe(self, hidden: torch.Tensor) -> None:
         self.head.observe(hidden)
 
-    def reset(self, prompt_ids: list[int], max_len: int, target=None) -> None:
+    def reset(self, prompt_ids: list[int], max_len: int, rows=None) -> None:
         self.store.reset(prompt_ids, max_len)
-        self.head.reset(prompt_ids, max_len, target)
+        self.head.reset(prompt_ids, max_len, rows)
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         tree = self.store.propose(root, spec)

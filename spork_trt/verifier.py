@@ -32,6 +32,7 @@ from . import atomic
 from .draft_kinds import NGRAM
 from .engines import SeqInput
 from .errors import UserError
+from .kv_cache import Rows
 from .repetition import REPETITION, repetition
 from .tree import DraftTree, compile_tree
 
@@ -127,23 +128,23 @@ class Verifier:
     engine: object  # the target's first N layers + norm + LM head; runs on the target's cache (see module doc)
     head: ConfidenceHead | None
 
-    def forward(self, target, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+    def forward(self, rows: Rows, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
                 ) -> torch.Tensor:
-        """The verifier's logits [1, T, V] over new tokens after the target's committed rows, run on the target's
-        cache; the rows it writes are dropped (the target writes its own)."""
-        assert target.pending == 0, "run the verifier before the target's forward of this step"
-        self.engine.cache = target.cache
+        """The verifier's logits [1, T, V] over new tokens after the target's committed `rows` (its KV cache), run
+        on them; the rows it writes are dropped (the target writes its own)."""
+        assert rows.pending == 0, "run the verifier before the target's forward of this step"
+        self.engine.cache = rows
         logits = self.engine.forward(input_ids, position_ids, mask)
-        target.cache.commit([])
+        rows.commit([])
         return logits
 
-    def score(self, target, behind: list[int], tree: DraftTree, recent: float = 0.0, context: Sequence[int] = (),
+    def score(self, rows: Rows, behind: list[int], tree: DraftTree, recent: float = 0.0, context: Sequence[int] = (),
               prompt_len: int = 0) -> Scored:
         """Features (and, with a head, confidences) of every node of `tree`, which follows the target's committed
-        rows and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
+        `rows` and then `behind` (committed tokens the target has not run yet, gate mode only). `recent`: draft
         tokens accepted per step lately (the scheduler's moving average); `context`: the request's tokens so far
         (its first `prompt_len` the prompt), ending with the tree's root (empty: the root alone)."""
-        return score_batch([ScoreJob(self, target, behind, tree, recent, context, prompt_len)])[0]
+        return score_batch([ScoreJob(self, rows, behind, tree, recent, context, prompt_len)])[0]
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class ScoreJob:
     """One request's tree to score (Verifier.score's arguments)."""
 
     verifier: Verifier  # the request's: its confidence head scores the nodes
-    target: object  # the request's target engine (its cache holds the committed rows)
+    rows: Rows  # the request's target KV cache: its committed rows
     behind: list[int]
     tree: DraftTree
     recent: float = 0.0
@@ -166,14 +167,14 @@ def score_batch(jobs: list[ScoreJob]) -> list[Scored]:
     engine = jobs[0].verifier.engine
     assert all(j.verifier.engine is engine for j in jobs), "batched scoring needs one shared verifier engine"
     fulls = [j.tree.after(j.behind) for j in jobs]
-    bufs = [compile_tree(f.parents, j.target.length) for f, j in zip(fulls, jobs)]
+    bufs = [compile_tree(f.parents, j.rows.length) for f, j in zip(fulls, jobs)]
     seqs = []
     for j, f, buf in zip(jobs, fulls, bufs):
-        assert j.target.pending == 0, "run the verifier before the target's forward of this step"
-        seqs.append(SeqInput(j.target.cache, tuple(f.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors))
+        assert j.rows.pending == 0, "run the verifier before the target's forward of this step"
+        seqs.append(SeqInput(j.rows, tuple(f.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors))
     logits = engine.forward_batch(seqs)  # [len(behind) + N, V] each
     for j in jobs:
-        j.target.cache.commit([])
+        j.rows.commit([])
     return [scored(j, buf, lg) for j, buf, lg in zip(jobs, bufs, logits)]
 
 

@@ -115,7 +115,7 @@ def test_a_forward_that_keeps_raising_for_one_request_fails_it_alone(model):
     for r in reqs:
         core.add(r)
     core.step()  # admitted and prefilled: each holds its slot's cache
-    eng.poisoned.add(id(reqs[1].target.cache))
+    eng.poisoned.add(id(reqs[1].cache))
     while not core.idle:
         core.step()
     assert isinstance(reqs[1].error, Broken) and reqs[1].result().stop_reason == "error" and core.pool.in_use == 0

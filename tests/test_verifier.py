@@ -69,7 +69,7 @@ def test_verifier_leaves_the_target_cache_as_it_found_it(target):
     k_before = eng.cache.k.clone()
     tree = DraftTree((9, 4, 5, 6), (-1, 0, 0, 1))
     v = Verifier(TorchEngine(target, exit_layer=2), argmax_head(2))
-    scored = v.score(eng, [], tree)
+    scored = v.score(eng.cache, [], tree)
     assert (eng.length, eng.pending) == (len(PROMPTS[0]), 0)
     assert torch.equal(eng.cache.k[:, :, :, :eng.length], k_before[:, :, :, :eng.length])
     assert scored.features.shape == (4, F) and scored.depth == (0, 1, 1, 2)
@@ -233,17 +233,17 @@ def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
         prefill(e, p)
         engines.append(e)
     heads = [argmax_head(2), head({"logp": 1.0}, 0.0, 2), None]
-    jobs = [ScoreJob(Verifier(shared, h), e, [], t) for h, e, t in zip(heads, engines, trees)]
+    jobs = [ScoreJob(Verifier(shared, h), e.cache, [], t) for h, e, t in zip(heads, engines, trees)]
     before = [e.cache.k[:, :, :, :e.length].clone() for e in engines]
     got = score_batch(jobs)
     assert calls == [3]
     for j, g, kb in zip(jobs, got, before):
-        alone = Verifier(TorchEngine(target, exit_layer=2), j.verifier.head).score(j.target, [], j.tree)
+        alone = Verifier(TorchEngine(target, exit_layer=2), j.verifier.head).score(j.rows, [], j.tree)
         assert np.allclose(g.features, alone.features, atol=1e-4) and g.depth == alone.depth
         assert (g.confidence is None) == (j.verifier.head is None)
         if g.confidence is not None:
             assert np.allclose(g.confidence, alone.confidence, atol=1e-4)
-        assert (j.target.pending, torch.equal(j.target.cache.k[:, :, :, :j.target.length], kb)) == (0, True)
+        assert (j.rows.pending, torch.equal(j.rows.k[:, :, :, :j.rows.length], kb)) == (0, True)
 
     calls.clear()
     spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=10, verifier="on", tau=0.05)

@@ -23,7 +23,9 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   commit(rows=None)                                keep pending rows (indices from `length`; None: all)
   truncate(length)                                 roll back to `length` committed rows
   fresh()                                          a new engine over the same weights/session, with no cache
-                                                   (one per concurrent request: caches are per sequence)
+                                                   (a model drafter's, one per request: its own draft cache).
+                                                   The engine core keeps no engine per request: each request's
+                                                   rows are a pool slot, passed in every SeqInput
   length, pending                                  committed rows; rows written since the last commit
 """
 
