@@ -307,7 +307,7 @@ class EngineCore:
                 r.slot, r.cache = None, None
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \
-                sc.verifier_offs
+                sc.verifier.offs
             r.finished = True
         return leaving
 
@@ -370,7 +370,7 @@ class EngineCore:
                          lambda r: self.plan_of(r, speculate[r], trees.get(r), seconds.get(r, 0.0)))
 
     def plan_of(self, r: Request, speculate: bool, tree: DraftTree | None, seconds: float) -> Plan:
-        scoring = speculate and (r.cfg.greedy or r.spec.gate_tau > 0) and r.sched.use_verifier(r.can_score)
+        scoring = speculate and (r.cfg.greedy or r.spec.gate_tau > 0) and r.sched.verifier.use(r.can_score)
         return Plan(tree if speculate else DraftTree.root_only(r.root), speculate, scoring, seconds)
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:

@@ -24,11 +24,7 @@ together) and moving averages of tokens per second of speculative and plain step
     allotment chose to pay for them, and its odds already steer the allotment away while they fail; a cooldown
     there only hid the proposals that would have been accepted (held-out prompts, batch 1: 1.24x -> 1.27x plain);
   - verifier (when a calibrated one is loaded): its path survival replaces the (depth, rank) estimate, nodes below
-    the threshold tau are dropped first, and tau moves toward `target_acceptance` of the verified nodes. In
-    "auto" it must pay for itself: the target verify time its pruning saves (cost model, against what the
-    (depth, rank) pruning alone keeps) must exceed its own measured time. It starts off and is probed after
-    FIRST_PROBE speculative steps (once the verify costs are measured); it stays on while it pays; otherwise the
-    next probe comes PROBE_EVERY steps later, doubling after each probe that did not pay (up to PROBE_MAX).
+    the threshold tau are dropped first; whether it scores at all and how tau moves: verifier_switch.py.
 Pruning only removes nodes before verification, so the output stays token-for-token lossless.
 """
 from __future__ import annotations
@@ -39,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from .config import SpecConfig
 from .cost_model import CostModel, ema
 from .tree import DraftTree
+from .verifier_switch import VerifierSwitch
 from .verify import Verdict
 
 DECAY = 0.97  # weight of history per observation (recent text matters most)
@@ -46,11 +43,6 @@ MARGIN = 0.05  # a step speculates only when its estimated rate beats the plain 
 PRIOR = (1.0, 2.0)  # pseudo counts (accepted, seen): an unseen (depth, rank) starts at 0.5
 STRENGTHS = 4  # the drafter's score of a node in [0, 1], bucketed as round(score * STRENGTHS)
 STRENGTH_PRIOR = 2.0  # pseudo counts a (depth, rank, strength) estimate takes from its (depth, rank) one
-TAU_BOUNDS = (0.002, 0.9)
-TAU_STEP = 0.05  # tau moves by this times (target acceptance - measured acceptance) per scored step
-FIRST_PROBE = 4  # speculative steps before "auto" first tries the verifier
-PROBE_EVERY = 16  # speculative steps between probes of a verifier switched off (doubles while it does not pay)
-PROBE_MAX = 256
 CHEAP_PROPOSAL = 0.05  # proposing under this share of a speculative step's time is cheap (level 3 ignores failures)
 
 
@@ -119,19 +111,13 @@ class Scheduler:
     odds: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (depth, rank) -> [accepted, seen]
     costs: CostModel = field(default_factory=CostModel)  # target forward seconds by tokens (the core's, shared)
     rate: dict[bool, float] = field(default_factory=dict)  # speculated? -> committed tokens per second
-    tau: float = 0.0  # pruning threshold on the verifier's path survival
-    verifier_on: bool = False  # "auto" only: the verifier currently pays for itself
-    verifier_offs: int = 0  # probes after which "auto" left (or switched) the verifier off
-    probe_in: int = FIRST_PROBE  # speculative steps until a verifier switched off is tried again
-    probe_every: int = PROBE_EVERY
-    score_cost: float | None = None  # seconds per verifier call
-    score_saving: float | None = None  # target verify seconds its pruning saves per call (cost model)
-    baseline_n: int = 0  # nodes the (depth, rank) pruning alone would have verified this step
+    verifier: VerifierSwitch | None = None  # whether the verifier scores, tau (default: one over `spec`, `costs`)
     recent: float = 0.0  # draft tokens accepted per speculative step, moving average (a verifier feature)
     propose_share: float | None = None  # share of a speculative step's time spent proposing (and scoring), EMA
 
     def __post_init__(self) -> None:
-        self.depth, self.tau = self.spec.tree_depth, self.spec.tau
+        self.depth = self.spec.tree_depth
+        self.verifier = self.verifier or VerifierSwitch(self.spec, self.costs)
 
     @property
     def adaptive(self) -> bool:
@@ -151,18 +137,6 @@ class Scheduler:
         return (not self.adaptive or not self.greedy or self.propose_share is None
                 or self.propose_share >= CHEAP_PROPOSAL)
 
-    def use_verifier(self, available: bool) -> bool:
-        """Whether to score this speculative step with the verifier."""
-        mode = self.spec.verifier
-        if not available:
-            return False
-        if mode == "on" or self.spec.gate_tau > 0:  # gate mode needs the scores whatever --verifier says
-            return True
-        if mode == "off" or self.verifier_on:
-            return mode != "off"
-        self.probe_in -= 1
-        return self.probe_in <= 0
-
     def p_accept(self, depth: int, rank: int, strength: int | None = None, source: int = 0) -> float:
         keys = odds_keys(depth, rank, strength, source)
         a, n = self.odds.get(keys[0], (0.0, 0.0))
@@ -180,9 +154,9 @@ class Scheduler:
             return Candidates(everything, (1.0,) * len(everything), fixed=True)  # sampling: the proposals depend
         if survival is None:  # on every drawn sibling, so it keeps them all
             return ranked(self.odds_survival(tree), everything)
-        self.baseline_n = (1 + self.allot_alone(ranked(self.odds_survival(tree), everything))[0] if self.adaptive
-                           else len(tree))
-        kept = tuple(i for i in everything if survival[i] >= self.tau)
+        alone = 1 + self.allot_alone(ranked(self.odds_survival(tree), everything))[0]
+        self.verifier.baseline_n = alone if self.adaptive else len(tree)
+        kept = tuple(i for i in everything if survival[i] >= self.verifier.tau)
         return ranked([float(survival[i]) for i in range(len(tree))], kept, fixed=not self.adaptive)
 
     def odds_survival(self, tree: DraftTree) -> list[float]:
@@ -214,7 +188,7 @@ class Scheduler:
         the drafter's whole tree (default: `tree`), whose nodes the allotment dropped teach the odds too (learn)."""
         n = len(tree)
         if score_s is not None and n > 1:
-            self.scored(score_s, len(verdict.accepted) / (n - 1), n)
+            self.verifier.scored(score_s, len(verdict.accepted) / (n - 1), n)
         step_s = max(propose_s + verify_s, 1e-9)
         step_rate = (len(verdict.accepted) + 1) / step_s  # committed tokens per second
         if not speculated:
@@ -254,20 +228,6 @@ class Scheduler:
                 for key in odds_keys(depth[i], rank[i], strength[i], source[i]):
                     odds = self.odds.setdefault(key, [0.0, 0.0])
                     odds[0], odds[1] = odds[0] * DECAY + hit, odds[1] * DECAY + 1
-
-    def scored(self, score_s: float, acceptance: float, n: int) -> None:
-        """After a verified step the verifier scored: move tau, weigh the verifier's cost against its saving."""
-        lo, hi = TAU_BOUNDS
-        self.tau = min(hi, max(lo, self.tau + TAU_STEP * (self.spec.target_acceptance - acceptance)))
-        self.score_cost = ema(self.score_cost, score_s)
-        saving = max(0.0, self.costs.seconds(self.baseline_n) - self.costs.seconds(n)) if self.baseline_n else 0.0
-        self.score_saving = ema(self.score_saving, saving)
-        if self.spec.verifier != "auto" or self.spec.gate_tau > 0:
-            return
-        pays = self.score_saving > self.score_cost
-        self.verifier_offs += not pays
-        self.probe_every = PROBE_EVERY if pays else min(PROBE_MAX, 2 * self.probe_every)
-        self.verifier_on, self.probe_in = pays, self.probe_every
 
 
 def ranked(survival: list[float], nodes: tuple[int, ...], fixed: bool = False) -> Candidates:

@@ -15,7 +15,8 @@ from spork_trt.errors import UserError
 from spork_trt.learn.calibrate import auroc, ece, ece_floor
 from spork_trt.generate import generate
 from spork_trt.quant import int8_copy
-from spork_trt.scheduler import FIRST_PROBE, PROBE_EVERY, Scheduler
+from spork_trt.scheduler import Scheduler
+from spork_trt.verifier_switch import FIRST_PROBE, PROBE_EVERY
 from spork_trt.tree import DraftTree, compile_tree
 from spork_trt.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, gate_path, head_file, load_heads, survival
 from spork_trt.weights import random_checkpoint
@@ -171,23 +172,24 @@ def test_survival_is_the_product_along_the_path():
 
 def test_scheduler_tau_follows_the_acceptance_target_and_auto_turns_an_unpaying_verifier_off():
     sched = Scheduler(SpecConfig(verifier="auto", tau=0.1, target_acceptance=0.7))
+    vs = sched.verifier
     sched.costs.set({0: 0.010, 3: 0.0101})  # verify cost flat in tree size: pruning saves nothing
     tree = DraftTree(tuple(range(8)), (-1, 0, 1, 2, 0, 4, 5, 6))
-    assert [sched.use_verifier(True) for _ in range(FIRST_PROBE)] == [False] * (FIRST_PROBE - 1) + [True]
+    assert [vs.use(True) for _ in range(FIRST_PROBE)] == [False] * (FIRST_PROBE - 1) + [True]
     keep = sched.prune(tree, True, np.array([1, .9, .8, .05, .3, .2, .1, .01]))
     assert 0 in keep and 7 not in keep and all(tree.parents[i] in keep for i in keep if i)
-    sched.scored(score_s=0.004, acceptance=0.2, n=len(keep))
-    assert sched.tau > 0.1  # acceptance below target: prune harder
-    assert not sched.verifier_on and sched.verifier_offs == 1  # 4 ms spent to save ~0
-    assert [sched.use_verifier(True) for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
+    vs.scored(score_s=0.004, acceptance=0.2, n=len(keep))
+    assert vs.tau > 0.1  # acceptance below target: prune harder
+    assert not vs.on and vs.offs == 1  # 4 ms spent to save ~0
+    assert [vs.use(True) for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
     sched.costs.set({0: 0.01, 1: 0.02, 2: 0.1, 3: 0.2})  # verify cost now steep in tree size: pruning pays
-    sched.baseline_n = 8  # what pruning by (depth, rank) alone would have verified; the verifier kept 2
-    sched.scored(score_s=0.001, acceptance=0.6, n=2)
-    assert sched.verifier_on and sched.probe_every == PROBE_EVERY and sched.use_verifier(True)
-    assert not sched.use_verifier(False)  # no calibrated head: never
+    vs.baseline_n = 8  # what pruning by (depth, rank) alone would have verified; the verifier kept 2
+    vs.scored(score_s=0.001, acceptance=0.6, n=2)
+    assert vs.on and vs.probe_every == PROBE_EVERY and vs.use(True)
+    assert not vs.use(False)  # no calibrated head: never
     forced = Scheduler(SpecConfig(verifier="on"))
-    forced.scored(score_s=1.0, acceptance=0.0, n=2)
-    assert forced.use_verifier(True)  # "on" stays on whatever it costs
+    forced.verifier.scored(score_s=1.0, acceptance=0.0, n=2)
+    assert forced.verifier.use(True)  # "on" stays on whatever it costs
 
 
 def test_tree_after_a_chain():
