@@ -148,8 +148,9 @@ TEMPERATURE = TritonTensor("temperature", "FP32", (1,), optional=True)  # 0 (the
 TOP_P = TritonTensor("top_p", "FP32", (1,), optional=True)
 TOP_K = TritonTensor("top_k", "INT32", (1,), optional=True)
 SEED = TritonTensor("seed", "UINT64", (1,), optional=True)
+STOP_WORDS = TritonTensor("stop_words", "STRING", (-1,), optional=True)  # [1, n]: the text ends where one starts
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
-    MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED,
+    MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STOP_WORDS,
     TritonTensor("stream", "BOOL", (1,), optional=True),
     TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
 )
@@ -165,6 +166,7 @@ class RequestField:
     flag: str  # `python -m spork_trt generate`'s
     kind: type  # what a value converts to
     help: str
+    many: bool = False  # a list of values: a repeatable flag, a [1, n] tensor
 
     @property
     def client_flag(self) -> str:
@@ -183,7 +185,7 @@ REQUEST_FIELDS = (
     RequestField("top_p", TOP_P, "--top-p", float, "nucleus mass in (0, 1]"),
     RequestField("top_k", TOP_K, "--top-k", int, "0 disables top-k"),
     RequestField("seed", SEED, "--seed", int, "sampling seed in [0, 2**64 - 1) (default: random)"),
-    RequestField("stop_strings", None, "--stop", str, "stop string (repeatable)"),
+    RequestField("stop_strings", STOP_WORDS, "--stop", str, "stop string (repeatable)", many=True),
 )
 FIELDS = {f.field: f for f in REQUEST_FIELDS}
 
@@ -215,6 +217,8 @@ PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
 OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))
 SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of output_ids earlier responses carried
 FINAL = TritonTensor("final", "BOOL", (1,))  # last response of the request: flush held-back characters
+# the final response's stop strings (none before it): postprocessing ends its text where the first one starts
+CUT_AT = TritonTensor("cut_at", "STRING", (-1,))
 
 
 @dataclass(frozen=True)
@@ -227,8 +231,9 @@ class TritonStep:
 
 TRITON_STEPS = (
     TritonStep("preprocessing", (TEXT_INPUT,), (PROMPT_IDS,)),
-    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, *STATS_OUTPUTS), decoupled=True),
-    TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL), (TEXT_OUTPUT,)),
+    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT, *STATS_OUTPUTS),
+               decoupled=True),
+    TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT), (TEXT_OUTPUT,)),
 )
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)

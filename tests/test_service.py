@@ -3,6 +3,7 @@ text, per-request state is independent, cancellation stops at the next step."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import numpy as np
@@ -36,6 +37,58 @@ def one(value, dtype):
 def test_bad_request_names_the_field(field, value, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         parse_request({"input_ids": IDS, field: value}, LIMITS)
+
+
+def words(*items) -> np.ndarray:
+    return np.array([[w if isinstance(w, bytes) else w.encode() for w in items]], np.object_)  # [1, n]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("stop_words", words("ok", ""), "stop_words must be non-empty text, got ''"),
+    ("stop_words", words(*"abcdefghijklmnopq"), "stop_words holds 17 strings: at most 16"),
+    ("stop_words", words("x" * 65), "stop_words must be at most 64 characters each, got one of 65"),
+    ("stop_words", words(b"\xff"), "stop_words must be UTF-8 text"),
+])
+def test_bad_stop_words_name_the_field(field, value, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        parse_request({"input_ids": IDS, field: value}, LIMITS)
+
+
+def test_stop_words_reach_the_config():
+    req = parse_request({"input_ids": IDS, "stop_words": words("\n\n", "User:")}, LIMITS)
+    assert req.cfg.stop_strings == ("\n\n", "User:")
+    assert parse_request({"input_ids": IDS, "stop_words": words()}, LIMITS).cfg.stop_strings == ()  # [1, 0]: none
+
+
+class Pieces:
+    """A tokenizer whose token i is the text pieces[i] (Tokenizer.decode calls hf.decode)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts():
+    from spork_trt.tokenizer import Tokenizer
+
+    tok = Tokenizer(Pieces(["The", " cat", " sat", ".", " END", " more"]), frozenset())
+    ids = np.array([[0, 1, 2, 3, 4, 5]], np.int32)
+
+    def text(sent, final, cut_at):
+        return decode_chunk(tok, ids, one(sent, np.int32), one(final, np.bool_), cut_at)[0, 0].decode()
+
+    assert text(2, True, words("END", ". E")) == " sat"  # the earliest start among them
+    assert text(2, True, words()) == text(2, True, None) == " sat. END more"
+
+
+def test_the_final_chunk_carries_the_stop_strings():
+    from spork_trt.stats import Stats
+
+    t = Chunk([1, 2, 3, 4, 5], 2, True, Stats(), "stop_string", cut_at=("a", "bc")).tensors()
+    assert t["cut_at"].tolist() == [[b"a", b"bc"]] and t["stop_reason"].tolist() == [[b"stop_string"]]
+    assert Chunk([1], 0, False, Stats(), "").tensors()["cut_at"].shape == (1, 0)
 
 
 def test_defaults_and_limits():
@@ -102,10 +155,10 @@ def service(default_runtime):
     s.close()
 
 
-def run(service, prompt_ids, max_tokens, stream, cancel_after=None):
+def run(service, prompt_ids, max_tokens, stream, cancel_after=None, **more):
     chunks: list[Chunk] = []
     inputs = {"input_ids": np.array([prompt_ids], np.int32), "max_tokens": one(max_tokens, np.int32),
-              "stream": one(stream, np.bool_)}
+              "stream": one(stream, np.bool_), **more}
     done = service.run(inputs, chunks.append,
                        cancelled=lambda: cancel_after is not None and len(chunks) >= cancel_after)
     return done, chunks
@@ -135,6 +188,31 @@ def test_stream_and_single_response_match_plain_greedy(service, default_runtime,
     st, stats = chunks[-1].tensors(), chunks[-1].stats
     assert st["num_steps"][0, 0] == stats.steps >= 1 and st["total_draft_tokens"][0, 0] == stats.draft_tokens
     assert st["total_accepted_draft_tokens"][0, 0] == stats.accepted_tokens <= stats.draft_tokens
+
+
+def texts(tok, chunks: list[Chunk]) -> list[str]:
+    """What postprocessing makes of each response."""
+    return [decode_chunk(tok, np.array([c.output_ids], np.int32), one(c.sent_len, np.int32), one(c.final, np.bool_),
+                         words(*c.cut_at))[0, 0].decode() for c in chunks]
+
+
+@pytest.mark.slow
+def test_stop_words_end_the_request_in_the_core_and_the_text_where_they_start(service, default_runtime,
+                                                                              default_tokenizer):
+    from spork_trt.config import GenerateConfig
+    from spork_trt.openai_api.stops import tokens_through_stop
+
+    prompt = default_tokenizer.encode_prompt("Name three planets.")
+    plain = default_runtime.generate(prompt, GenerateConfig(max_new_tokens=32), mode="plain")
+    for at in (len(plain.text) // 3, len(plain.text) // 2):
+        stop = plain.text[at:at + 5]  # inside the answer, likely across tokens
+        cut = plain.text[:plain.text.index(stop)]
+        through = tokens_through_stop(plain.token_ids, default_tokenizer.decode, (stop,))
+        for stream in (False, True):
+            done, chunks = run(service, prompt, 32, stream, stop_words=words(stop, "\u2603never"))
+            assert done and chunks[-1].stop_reason == "stop_string" and tokens(chunks) == plain.token_ids[:through]
+            # the responses add up to the text before the stop string: none sent a part of it (nothing takes it back)
+            assert "".join(texts(default_tokenizer, chunks)) == cut and all(c.cut_at == () for c in chunks[:-1])
 
 
 @pytest.mark.slow
