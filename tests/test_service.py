@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from spork_trt import io_spec
 from spork_trt.errors import UserError
 from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, parse_request
 from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
@@ -48,16 +49,36 @@ def words(*items) -> np.ndarray:
     ("stop_words", words(*"abcdefghijklmnopq"), "stop_words holds 17 strings: at most 16"),
     ("stop_words", words("x" * 65), "stop_words must be at most 64 characters each, got one of 65"),
     ("stop_words", words(b"\xff"), "stop_words must be UTF-8 text"),
+    ("frequency_penalty", one(0.5, np.float32), "frequency_penalty=0.5 is not supported by this server (only "
+                                                "frequency_penalty=0.0"),
+    ("presence_penalty", one(-1.0, np.float32), "presence_penalty=-1.0 is not supported"),
+    ("exclude_input_in_output", one(False, np.bool_), "exclude_input_in_output=False is not supported"),
+    ("random_seed", one(2**64 - 1, np.uint64), "random_seed must be in [0, 2**64 - 1)"),  # named as it was sent
 ])
-def test_bad_stop_words_name_the_field(field, value, needle):
+def test_bad_stop_words_and_tensorrt_llm_inputs_name_the_field(field, value, needle):
     with pytest.raises(UserError, match=re.escape(needle)):
         parse_request({"input_ids": IDS, field: value}, LIMITS)
 
 
-def test_stop_words_reach_the_config():
-    req = parse_request({"input_ids": IDS, "stop_words": words("\n\n", "User:")}, LIMITS)
-    assert req.cfg.stop_strings == ("\n\n", "User:")
+def test_stop_words_and_the_inputs_tensorrt_llm_clients_send():
+    """What Triton's OpenAI frontend sends a TensorRT-LLM-style model: honoured, accepted at the one value this server
+    works at, or accepted and ignored (io_spec.COMPAT_INPUTS)."""
+    req = parse_request({"input_ids": IDS, "stop_words": words("\n\n", "User:"), "random_seed": one(7, np.uint64),
+                         "frequency_penalty": one(0.0, np.float32), "presence_penalty": one(0.0, np.float32),
+                         "exclude_input_in_output": one(True, np.bool_),
+                         "return_num_input_tokens": one(True, np.bool_),
+                         "return_num_output_tokens": one(False, np.bool_)}, LIMITS)
+    assert req.cfg.stop_strings == ("\n\n", "User:") and req.cfg.sampling.seed == 7
+    assert parse_request({"input_ids": IDS, "seed": one(3, np.uint64)}, LIMITS).cfg.sampling.seed == 3
     assert parse_request({"input_ids": IDS, "stop_words": words()}, LIMITS).cfg.stop_strings == ()  # [1, 0]: none
+    with pytest.raises(UserError, match="random_seed and seed name the same setting: send one of them"):
+        parse_request({"input_ids": IDS, "seed": one(1, np.uint64), "random_seed": one(1, np.uint64)}, LIMITS)
+    spork = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
+    sent = {"text_input", "stream", "max_tokens", "stop_words", "top_p", "frequency_penalty", "presence_penalty",
+            "seed", "random_seed", "temperature", "exclude_input_in_output", "return_num_input_tokens",
+            "return_num_output_tokens"}  # python/openai/openai_frontend/engine/utils/triton.py, 2.52 to 2.71
+    assert sent <= {t.name for t in io_spec.ENSEMBLE_INPUTS} and sent - {"text_input"} <= {t.name for t in spork.inputs}
+    assert {"text_output", "num_input_tokens", "num_output_tokens"} <= {t.name for t in io_spec.ENSEMBLE_OUTPUTS}
 
 
 class Pieces:
@@ -83,12 +104,14 @@ def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts()
     assert text(2, True, words()) == text(2, True, None) == " sat. END more"
 
 
-def test_the_final_chunk_carries_the_stop_strings():
+def test_a_chunk_carries_the_counts_and_the_final_one_the_stop_strings():
     from spork_trt.stats import Stats
 
-    t = Chunk([1, 2, 3, 4, 5], 2, True, Stats(), "stop_string", cut_at=("a", "bc")).tensors()
+    c = Chunk([1, 2, 3, 4, 5], 2, True, Stats(), "stop_string", prompt_len=9, cut_at=("a", "bc"))
+    t = c.tensors()
+    assert t["num_input_tokens"].tolist() == [[9]] and t["num_output_tokens"].tolist() == [[3]]  # 3 new ones
     assert t["cut_at"].tolist() == [[b"a", b"bc"]] and t["stop_reason"].tolist() == [[b"stop_string"]]
-    assert Chunk([1], 0, False, Stats(), "").tensors()["cut_at"].shape == (1, 0)
+    assert Chunk([1], 0, False, Stats(), "", 9).tensors()["cut_at"].shape == (1, 0)
 
 
 def test_defaults_and_limits():
@@ -213,6 +236,7 @@ def test_stop_words_end_the_request_in_the_core_and_the_text_where_they_start(se
             assert done and chunks[-1].stop_reason == "stop_string" and tokens(chunks) == plain.token_ids[:through]
             # the responses add up to the text before the stop string: none sent a part of it (nothing takes it back)
             assert "".join(texts(default_tokenizer, chunks)) == cut and all(c.cut_at == () for c in chunks[:-1])
+            assert sum(int(c.tensors()["num_output_tokens"][0, 0]) for c in chunks) == through
 
 
 @pytest.mark.slow
