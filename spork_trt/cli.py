@@ -70,7 +70,7 @@ def build_parser() -> Parser:
     g.add_argument("--verify", action="store_true",
                    help="with --engines: check every artifact's sha256 against the manifest first (sizes always are)")
     for f in REQUEST_FIELDS:  # the request's settings: names, limits and defaults from io_spec and the configs
-        if f.field == "stop_strings":
+        if f.many:
             g.add_argument(f.flag, dest=f.field, action="append", metavar="STR", help=f.help)
         else:
             g.add_argument(f.flag, dest=f.field, type=f.kind, default=None,
@@ -89,8 +89,7 @@ def generate_config(a: argparse.Namespace) -> GenerateConfig:
     """The request's config, validated by the config itself; an error names the flag."""
     if not a.prompt.strip():
         raise UserError("the prompt is empty: pass some text to generate from")
-    values = {f.field: getattr(a, f.field) for f in REQUEST_FIELDS}
-    values["stop_strings"] = tuple(a.stop_strings or ())
+    values = {f.field: tuple(getattr(a, f.field) or ()) if f.many else getattr(a, f.field) for f in REQUEST_FIELDS}
     return request_config(values, lambda f: f.flag)
 
 

@@ -32,6 +32,7 @@ class ClientConfig:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    stop_words: tuple[str, ...] = ()  # the answer ends where the first one starts
     spec_mode: str | None = None  # spork | plain; None: the server's default (spork)
     timeout_s: float = 600.0
 
@@ -72,6 +73,8 @@ def request_values(prompt: str, cfg: ClientConfig) -> dict[str, tuple[np.ndarray
         v["top_k"] = (np.array([[cfg.top_k]], np.int32), "INT32")
     if cfg.seed is not None:
         v["seed"] = (np.array([[cfg.seed]], np.uint64), "UINT64")
+    if cfg.stop_words:
+        v["stop_words"] = (np.array([[s.encode("utf-8") for s in cfg.stop_words]], np.object_), "BYTES")  # [1, n]
     if cfg.spec_mode is not None:
         v["spec_mode"] = (np.array([[cfg.spec_mode.encode()]], np.object_), "BYTES")
     return v
@@ -173,9 +176,13 @@ def error_message(body: bytes, fallback: str) -> str:
 
 
 def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
-    """POST /v2/models/ensemble/generate (one JSON reply) or generate_stream (server-sent events)."""
-    body = {n: (a.reshape(-1)[0].decode() if dt == "BYTES" else a.reshape(-1)[0].item())
-            for n, (a, dt) in values.items()}
+    """POST /v2/models/ensemble/generate (one JSON reply) or generate_stream (server-sent events); a tensor of n > 1
+    values is a JSON list (Triton shapes it [1, n])."""
+    def json_value(a: np.ndarray, dt: str):
+        items = [x.decode() if dt == "BYTES" else x.item() for x in a.reshape(-1)]
+        return items[0] if len(items) == 1 else items
+
+    body = {n: json_value(a, dt) for n, (a, dt) in values.items()}
     path = "generate_stream" if cfg.stream else "generate"
     req = urllib.request.Request(f"http://{cfg.address}/v2/models/{MODEL}/{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})

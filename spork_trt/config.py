@@ -55,6 +55,9 @@ class ModelConfig:
 MIN_TEMPERATURE = 0.01
 # seeds are 64-bit (torch's generator, Triton's UINT64 seed); a request's drafter draws with seed + 1, which must fit too
 SEED_LIMIT = 2**64 - 1
+# stop strings per request, and characters per stop string: the stop rule decodes the last 4 x that + 2 tokens at
+# every committed token (stopping.StopState.window), so their length bounds its cost
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 64
 
 
 def _number(field: str, value, integer: bool = False) -> None:
@@ -106,9 +109,14 @@ class GenerateConfig:
         _number("max_new_tokens", self.max_new_tokens, integer=True)
         if self.max_new_tokens < 1:
             raise FieldError("max_new_tokens", f"must be a positive number of tokens, got {self.max_new_tokens}")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise FieldError("stop_strings", f"holds {len(self.stop_strings)} strings: at most {MAX_STOP_STRINGS}")
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise FieldError("stop_strings", f"must be non-empty text, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise FieldError("stop_strings", f"must be at most {MAX_STOP_CHARS} characters each, got one of "
+                                 f"{len(s)}")
 
     @property
     def greedy(self) -> bool:

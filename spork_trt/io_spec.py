@@ -139,6 +139,11 @@ class TritonTensor:
     dims: tuple[int, ...]
     optional: bool = False
 
+    @property
+    def kind(self) -> type:
+        """What one of its values converts to."""
+        return {"STRING": str, "INT32": int, "UINT64": int, "FP32": float, "BOOL": bool}[self.dtype]
+
 
 # optional only so that preprocessing answers a request without it with a 400 naming it (Triton's own refusal of a
 # missing required input reaches the HTTP generate endpoint as a 200 with an unrelated error)
@@ -148,10 +153,36 @@ TEMPERATURE = TritonTensor("temperature", "FP32", (1,), optional=True)  # 0 (the
 TOP_P = TritonTensor("top_p", "FP32", (1,), optional=True)
 TOP_K = TritonTensor("top_k", "INT32", (1,), optional=True)
 SEED = TritonTensor("seed", "UINT64", (1,), optional=True)
+STOP_WORDS = TritonTensor("stop_words", "STRING", (-1,), optional=True)  # [1, n]: the text ends where one starts
+
+
+@dataclass(frozen=True)
+class CompatInput:
+    """An input that clients written for TensorRT-LLM's ensemble send (Triton's OpenAI-compatible frontend sends these
+    to any model but a vLLM one): another name for one of REQUEST_FIELDS (`alias`), or a setting accepted only at the
+    value this server always works at (`only`; any other is refused naming it), or else a flag that changes nothing
+    here (accepted and ignored)."""
+
+    tensor: TritonTensor
+    alias: str | None = None  # the REQUEST_FIELDS field it also names
+    only: object = None  # the one value accepted
+
+
+COMPAT_INPUTS = (
+    CompatInput(TritonTensor("random_seed", "UINT64", (1,), optional=True), alias="seed"),  # frontends before 25.06
+    # the target's own distribution, unpenalized (lossless speculation samples from exactly it)
+    CompatInput(TritonTensor("frequency_penalty", "FP32", (1,), optional=True), only=0.0),
+    CompatInput(TritonTensor("presence_penalty", "FP32", (1,), optional=True), only=0.0),
+    CompatInput(TritonTensor("exclude_input_in_output", "BOOL", (1,), optional=True), only=True),  # no echo
+    # num_input_tokens and num_output_tokens are in every response whatever these say
+    CompatInput(TritonTensor("return_num_input_tokens", "BOOL", (1,), optional=True)),
+    CompatInput(TritonTensor("return_num_output_tokens", "BOOL", (1,), optional=True)),
+)
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
-    MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED,
+    MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STOP_WORDS,
     TritonTensor("stream", "BOOL", (1,), optional=True),
     TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
+    *(c.tensor for c in COMPAT_INPUTS),
 )
 
 
@@ -165,6 +196,7 @@ class RequestField:
     flag: str  # `python -m spork_trt generate`'s
     kind: type  # what a value converts to
     help: str
+    many: bool = False  # a list of values: a repeatable flag, a [1, n] tensor
 
     @property
     def client_flag(self) -> str:
@@ -183,9 +215,10 @@ REQUEST_FIELDS = (
     RequestField("top_p", TOP_P, "--top-p", float, "nucleus mass in (0, 1]"),
     RequestField("top_k", TOP_K, "--top-k", int, "0 disables top-k"),
     RequestField("seed", SEED, "--seed", int, "sampling seed in [0, 2**64 - 1) (default: random)"),
-    RequestField("stop_strings", None, "--stop", str, "stop string (repeatable)"),
+    RequestField("stop_strings", STOP_WORDS, "--stop", str, "stop string (repeatable)", many=True),
 )
 FIELDS = {f.field: f for f in REQUEST_FIELDS}
+assert all(c.alias in FIELDS for c in COMPAT_INPUTS if c.alias)
 
 
 def request_config(values: Mapping[str, object], name: Callable[[RequestField], str]) -> GenerateConfig:
@@ -208,6 +241,10 @@ STATS_OUTPUTS = (  # from the spork step straight to the client, in every respon
     TritonTensor("num_steps", "INT32", (1,)),
     TritonTensor("cached_tokens", "INT32", (1,)),  # prompt tokens whose KV rows were reused (prefix_cache)
     TritonTensor("stop_reason", "STRING", (1,)),  # "" until the final response: eos | max_tokens | stop_string
+    # TensorRT-LLM's counts (Triton's OpenAI frontend reads them for `usage`): the prompt's tokens (after the chat
+    # template), and the generated tokens this response carries (a stream's responses add up to the whole answer)
+    TritonTensor("num_input_tokens", "INT32", (1,)),
+    TritonTensor("num_output_tokens", "INT32", (1,)),
 )
 TEXT_OUTPUT = TritonTensor("text_output", "STRING", (1,))
 PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
@@ -216,6 +253,8 @@ PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
 OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))
 SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of output_ids earlier responses carried
 FINAL = TritonTensor("final", "BOOL", (1,))  # last response of the request: flush held-back characters
+# the final response's stop strings (none before it): postprocessing ends its text where the first one starts
+CUT_AT = TritonTensor("cut_at", "STRING", (-1,))
 
 
 @dataclass(frozen=True)
@@ -228,8 +267,9 @@ class TritonStep:
 
 TRITON_STEPS = (
     TritonStep("preprocessing", (TEXT_INPUT,), (PROMPT_IDS,)),
-    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, *STATS_OUTPUTS), decoupled=True),
-    TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL), (TEXT_OUTPUT,)),
+    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT, *STATS_OUTPUTS),
+               decoupled=True),
+    TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT), (TEXT_OUTPUT,)),
 )
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)

@@ -57,19 +57,24 @@ class Chunk:
     final: bool
     stats: Stats
     stop_reason: str  # "" until final
+    prompt_len: int  # the prompt's tokens
+    cut_at: tuple[str, ...] = ()  # the request's stop strings, on the final response: its text ends at the first
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Output tensors with the batch dim, named as in io_spec."""
         st = self.stats
         values = {"output_ids": np.array([self.output_ids], np.int32),  # [1, n]
                   "sent_len": np.array([[self.sent_len]], np.int32), "final": np.array([[self.final]], np.bool_),
+                  "cut_at": np.array([[s.encode() for s in self.cut_at]], np.object_),  # [1, k]
                   "acceptance_rate": np.array([[st.acceptance_rate]], np.float32),
                   "total_accepted_draft_tokens": np.array([[st.accepted_tokens]], np.int32),
                   "total_draft_tokens": np.array([[st.draft_tokens]], np.int32),
                   "mean_accepted_length": np.array([[st.mean_accepted_length]], np.float32),
                   "num_steps": np.array([[st.steps]], np.int32),
                   "cached_tokens": np.array([[st.cached_tokens]], np.int32),
-                  "stop_reason": np.array([[self.stop_reason.encode()]], np.object_)}
+                  "stop_reason": np.array([[self.stop_reason.encode()]], np.object_),
+                  "num_input_tokens": np.array([[self.prompt_len]], np.int32),
+                  "num_output_tokens": np.array([[len(self.output_ids) - self.sent_len]], np.int32)}
         spork = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
         assert list(values) == [t.name for t in spork.outputs]
         return values
@@ -90,8 +95,41 @@ def scalar(inputs: Inputs, name: str, kind: type, default):
     return kind(value)
 
 
+def strings(inputs: Inputs, name: str) -> tuple[str, ...] | None:
+    """The UTF-8 strings of an optional [1, n] STRING input."""
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    try:
+        return tuple(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.reshape(-1))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name} must be UTF-8 text ({e.reason} at byte {e.start} of one)") from None
+
+
 # the request's fields as the served models spell them: the tensors (the prompt arrives as text_input)
 TENSOR_NAMES = {"prompt": io_spec.TEXT_INPUT.name} | {f.field: f.tensor.name for f in REQUEST_FIELDS if f.tensor}
+
+
+def field_values(inputs: Inputs) -> tuple[dict[str, object], dict[str, str]]:
+    """The request's values by config field (None: absent), and each field's name as this request spelled it:
+    REQUEST_FIELDS' tensors, then io_spec.COMPAT_INPUTS (another name for one of them, a value accepted only at the
+    one this server works at, or a flag that changes nothing here)."""
+    values = {f.field: strings(inputs, f.tensor.name) if f.many else scalar(inputs, f.tensor.name, f.kind, None)
+              for f in REQUEST_FIELDS if f.tensor}
+    names = dict(TENSOR_NAMES)
+    for c in io_spec.COMPAT_INPUTS:
+        name = c.tensor.name
+        value = scalar(inputs, name, c.tensor.kind, None)
+        if value is None:
+            continue
+        if c.alias is not None:
+            if values[c.alias] is not None:
+                raise UserError(f"{name} and {names[c.alias]} name the same setting: send one of them")
+            values[c.alias], names[c.alias] = value, name
+        elif c.only is not None and value != c.only:
+            raise UserError(f"{name}={value!r} is not supported by this server (only {name}={c.only!r}, or leave it "
+                            "out)")
+    return values, names
 
 
 @dataclass(frozen=True)
@@ -112,8 +150,8 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
         raise UserError(f"input_ids must be token ids in [0, {limits.vocab_size}), got {ids[bad[0]]} at position "
                         f"{bad[0]}")
     prompt_ids = [int(i) for i in ids]
-    values = {f.field: scalar(inputs, f.tensor.name, f.kind, None) for f in REQUEST_FIELDS if f.tensor}
-    cfg = request_config(values, lambda f: TENSOR_NAMES[f.field])
+    values, names = field_values(inputs)
+    cfg = request_config(values, lambda f: names[f.field])
     try:  # an absent max_tokens is the default clipped to what fits; one sent must fit
         size = size_request(len(prompt_ids), cfg.max_new_tokens, limits.spec, limits.context,
                             clip=values["max_new_tokens"] is None)
@@ -142,12 +180,17 @@ class Ticket:
     generated: list[int] = field(default_factory=list)  # every token sent or to send
     sent: int = 0  # tokens the previous responses carried
 
-    def chunk(self, final: bool, stats: Stats, stop_reason: str) -> Chunk:
+    def chunk(self, final: bool, stats: Stats, stop_reason: str) -> Chunk | None:
         """The next response: the tokens since the last one, after DETOKENIZE_CONTEXT already sent (the text they
-        add is decoded from this window alone, never the whole prefix)."""
+        add is decoded from this window alone, never the whole prefix). Until the final one, the tokens that could
+        begin a stop string stay back (StopState.held); None when nothing is ready."""
+        end = len(self.generated) - (0 if final else self.request.stop.held())
+        if end <= self.sent and not final:
+            return None
         start = max(0, self.sent - DETOKENIZE_CONTEXT)
-        c = Chunk(self.generated[start:], self.sent - start, final, stats, stop_reason)
-        self.sent = len(self.generated)
+        c = Chunk(self.generated[start:end], self.sent - start, final, stats, stop_reason,
+                  len(self.request.prompt_ids), self.request.cfg.stop_strings if final else ())
+        self.sent = end
         return c
 
 
@@ -371,6 +414,6 @@ class Service:
                 deliver(t, t.close)
             else:
                 deliver(t, t.send, t.chunk(True, req.stats, res.stop_reason))
-        elif t.stream and new:
-            deliver(t, t.send, t.chunk(False, req.stats, ""))
+        elif t.stream and new and (chunk := t.chunk(False, req.stats, "")) is not None:
+            deliver(t, t.send, chunk)
         return len(new)

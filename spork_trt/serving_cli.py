@@ -23,6 +23,7 @@ CLIENT_EXAMPLES = """examples:
   python -m spork_trt client "Explain TCP" --protocol http --max-tokens 64      # tritonclient HTTP infer
   python -m spork_trt client "Explain TCP" --protocol generate --stream         # HTTP generate_stream (SSE)
   python -m spork_trt client "Explain TCP" --mode plain --json                  # the baseline, stats as JSON
+  python -m spork_trt client "List three fruits" --stop "3." --stream           # ends where "3." starts
 """
 DEMO_EXAMPLES = """examples:
   python -m spork_trt demo                      # build engines if missing, serve with Triton, stream one answer
@@ -75,6 +76,8 @@ def add_request_flags(p) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-words", "--stop", dest="stop_words", action="append", metavar="STR",
+                   help="stop string (repeatable): the answer ends where the first one starts")
     p.add_argument("--mode", choices=["spork", "plain"], default=None, help="spec_mode (default: the server's)")
 
 
@@ -145,9 +148,11 @@ def client_config(a: argparse.Namespace, **over):
     from .io_spec import REQUEST_FIELDS, request_config
 
     # checked here as the server checks them (the same configs), before anything starts; flags spelled as tensors
-    request_config({f.field: getattr(a, f.tensor.name) for f in REQUEST_FIELDS if f.tensor}, lambda f: f.client_flag)
+    values = {f.tensor.name: tuple(getattr(a, f.tensor.name) or ()) if f.many else getattr(a, f.tensor.name)
+              for f in REQUEST_FIELDS if f.tensor}
+    request_config({f.field: values[f.tensor.name] for f in REQUEST_FIELDS if f.tensor}, lambda f: f.client_flag)
     fields = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
-              "seed": a.seed, "spec_mode": a.mode}
+              "seed": a.seed, "stop_words": values["stop_words"], "spec_mode": a.mode}
     fields.update(over)
     return ClientConfig(**fields)
 

@@ -1,7 +1,8 @@
 """Stop rule, applied to committed tokens only: EOS, stop strings, max new tokens.
 
 A stop inside a multi-token commit truncates there, so every mode (plain or speculative) ends on exactly the same
-tokens and text.
+tokens and text. The text ends where the first stop string starts (`cut`); a stream holds back the tokens whose text
+could still begin one (`StopState.held`), so no response carries part of a stop string.
 """
 from __future__ import annotations
 
@@ -47,6 +48,30 @@ class StopState:
     def text(self) -> str:
         """The generated text, cut before the first stop string."""
         assert self.decode is not None
-        text = self.decode(self.tokens)
-        cuts = [text.find(s) for s in self.stop_strings if s in text]
-        return text[: min(cuts)] if cuts else text
+        return cut(self.decode(self.tokens), self.stop_strings)
+
+    def held(self) -> int:
+        """How many of the last tokens a stream holds back while running: those whose text could still begin a stop
+        string (the text so far ends with a proper prefix of one), so no response carries a part of a stop string
+        that later tokens complete. 0 without stop strings or once stopped."""
+        if not self.stop_strings or self.reason is not None:
+            return 0
+        tail = self.tokens[-self.window:]
+        text = self.decode(tail)
+        start = len(text) - partial_stop(text, self.stop_strings)  # where a stop string could begin
+        n = 0
+        while start < len(text) and n < len(tail) and len(self.decode(tail[:len(tail) - n])) > start:
+            n += 1
+        return n
+
+
+def cut(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to where the first of `stops` in it starts (all of it if none is there)."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that could begin a stop string: the longest suffix that is a proper prefix of
+    one of `stops` (0 if none is)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

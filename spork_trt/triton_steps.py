@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .stopping import cut
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
 
 
@@ -40,11 +41,15 @@ def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | 
     return np.array([tok.encode_prompt(text)], np.int32)
 
 
-def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, final: np.ndarray) -> np.ndarray:
-    """Postprocessing: the text this response adds -> text_output [1, 1] (UTF-8 bytes)."""
+def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, final: np.ndarray,
+                 cut_at: np.ndarray | None = None) -> np.ndarray:
+    """Postprocessing: the text this response adds -> text_output [1, 1] (UTF-8 bytes), ended where the first of the
+    stop strings `cut_at` [1, k] starts (the spork step sends them with the final response, and holds back until then
+    the tokens that could begin one, so a stop string lies whole within the final response's text)."""
     ids = [int(i) for i in output_ids.reshape(-1)]
     delta = text_delta(tok, ids, int(sent_len.reshape(-1)[0]), bool(final.reshape(-1)[0]))
-    return np.array([[delta.encode("utf-8")]], np.object_)
+    stops = () if cut_at is None else tuple(s.decode("utf-8") for s in cut_at.reshape(-1))
+    return np.array([[cut(delta, stops).encode("utf-8")]], np.object_)
 
 
 def model_parameters(args: Mapping[str, str]) -> dict[str, str]:

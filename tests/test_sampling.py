@@ -48,3 +48,28 @@ def test_stop_rule_eos_max_and_stop_strings():
     st = StopState(frozenset(), 50, ("o w",), decode)
     assert st.add([1, 2, 3, 4, 5]) == [1, 2, 3] and st.reason == "stop_string"
     assert st.text() == "Hell"
+
+
+def test_a_stream_holds_back_only_the_tokens_that_could_begin_a_stop_string():
+    vocab = {1: "Hel", 2: "lo", 3: " wo", 4: "rld", 5: "!", 6: " w"}
+    decode = lambda ids: "".join(vocab[i] for i in ids)
+    st = StopState(frozenset(), 50, ("o wor", "!!"), decode)
+    assert st.add([1]) == [1] and st.held() == 0  # "Hel": nothing could begin a stop string
+    st.add([2])
+    assert st.held() == 1  # "...lo": "o" could begin "o wor", and it is in the last token
+    st.add([3])
+    assert st.held() == 2  # "...lo wo": from "o" on, two tokens
+    st.add([4])
+    assert st.reason == "stop_string" and st.held() == 0 and st.text() == "Hell"  # stopped: the final one sends all
+    st = StopState(frozenset(), 50, ("o wor",), decode)
+    st.add([1, 2, 6, 5])
+    assert st.held() == 0  # "Hello w!": "o w" did not become a stop string
+    assert StopState(frozenset(), 50).held() == 0
+
+
+def test_cut_and_partial_stop():
+    from spork_trt.stopping import cut, partial_stop
+
+    assert cut("a cat sat", ("sat", "cat")) == "a " and cut("dog", ("cat",)) == "dog" and cut("x", ()) == "x"
+    assert partial_stop("the ca", ("cat",)) == 2 and partial_stop("the c", ("cat", "the c!")) == 5
+    assert partial_stop("cat", ("cat",)) == 0 and partial_stop("abc", ()) == 0  # a whole stop string is not partial

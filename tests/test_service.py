@@ -3,11 +3,13 @@ text, per-request state is independent, cancellation stops at the next step."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import numpy as np
 import pytest
 
+from spork_trt import io_spec
 from spork_trt.errors import UserError
 from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, parse_request
 from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
@@ -36,6 +38,80 @@ def one(value, dtype):
 def test_bad_request_names_the_field(field, value, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         parse_request({"input_ids": IDS, field: value}, LIMITS)
+
+
+def words(*items) -> np.ndarray:
+    return np.array([[w if isinstance(w, bytes) else w.encode() for w in items]], np.object_)  # [1, n]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("stop_words", words("ok", ""), "stop_words must be non-empty text, got ''"),
+    ("stop_words", words(*"abcdefghijklmnopq"), "stop_words holds 17 strings: at most 16"),
+    ("stop_words", words("x" * 65), "stop_words must be at most 64 characters each, got one of 65"),
+    ("stop_words", words(b"\xff"), "stop_words must be UTF-8 text"),
+    ("frequency_penalty", one(0.5, np.float32), "frequency_penalty=0.5 is not supported by this server (only "
+                                                "frequency_penalty=0.0"),
+    ("presence_penalty", one(-1.0, np.float32), "presence_penalty=-1.0 is not supported"),
+    ("exclude_input_in_output", one(False, np.bool_), "exclude_input_in_output=False is not supported"),
+    ("random_seed", one(2**64 - 1, np.uint64), "random_seed must be in [0, 2**64 - 1)"),  # named as it was sent
+])
+def test_bad_stop_words_and_tensorrt_llm_inputs_name_the_field(field, value, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        parse_request({"input_ids": IDS, field: value}, LIMITS)
+
+
+def test_stop_words_and_the_inputs_tensorrt_llm_clients_send():
+    """What Triton's OpenAI frontend sends a TensorRT-LLM-style model: honoured, accepted at the one value this server
+    works at, or accepted and ignored (io_spec.COMPAT_INPUTS)."""
+    req = parse_request({"input_ids": IDS, "stop_words": words("\n\n", "User:"), "random_seed": one(7, np.uint64),
+                         "frequency_penalty": one(0.0, np.float32), "presence_penalty": one(0.0, np.float32),
+                         "exclude_input_in_output": one(True, np.bool_),
+                         "return_num_input_tokens": one(True, np.bool_),
+                         "return_num_output_tokens": one(False, np.bool_)}, LIMITS)
+    assert req.cfg.stop_strings == ("\n\n", "User:") and req.cfg.sampling.seed == 7
+    assert parse_request({"input_ids": IDS, "seed": one(3, np.uint64)}, LIMITS).cfg.sampling.seed == 3
+    assert parse_request({"input_ids": IDS, "stop_words": words()}, LIMITS).cfg.stop_strings == ()  # [1, 0]: none
+    with pytest.raises(UserError, match="random_seed and seed name the same setting: send one of them"):
+        parse_request({"input_ids": IDS, "seed": one(1, np.uint64), "random_seed": one(1, np.uint64)}, LIMITS)
+    spork = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
+    sent = {"text_input", "stream", "max_tokens", "stop_words", "top_p", "frequency_penalty", "presence_penalty",
+            "seed", "random_seed", "temperature", "exclude_input_in_output", "return_num_input_tokens",
+            "return_num_output_tokens"}  # python/openai/openai_frontend/engine/utils/triton.py, 2.52 to 2.71
+    assert sent <= {t.name for t in io_spec.ENSEMBLE_INPUTS} and sent - {"text_input"} <= {t.name for t in spork.inputs}
+    assert {"text_output", "num_input_tokens", "num_output_tokens"} <= {t.name for t in io_spec.ENSEMBLE_OUTPUTS}
+
+
+class Pieces:
+    """A tokenizer whose token i is the text pieces[i] (Tokenizer.decode calls hf.decode)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts():
+    from spork_trt.tokenizer import Tokenizer
+
+    tok = Tokenizer(Pieces(["The", " cat", " sat", ".", " END", " more"]), frozenset())
+    ids = np.array([[0, 1, 2, 3, 4, 5]], np.int32)
+
+    def text(sent, final, cut_at):
+        return decode_chunk(tok, ids, one(sent, np.int32), one(final, np.bool_), cut_at)[0, 0].decode()
+
+    assert text(2, True, words("END", ". E")) == " sat"  # the earliest start among them
+    assert text(2, True, words()) == text(2, True, None) == " sat. END more"
+
+
+def test_a_chunk_carries_the_counts_and_the_final_one_the_stop_strings():
+    from spork_trt.stats import Stats
+
+    c = Chunk([1, 2, 3, 4, 5], 2, True, Stats(), "stop_string", prompt_len=9, cut_at=("a", "bc"))
+    t = c.tensors()
+    assert t["num_input_tokens"].tolist() == [[9]] and t["num_output_tokens"].tolist() == [[3]]  # 3 new ones
+    assert t["cut_at"].tolist() == [[b"a", b"bc"]] and t["stop_reason"].tolist() == [[b"stop_string"]]
+    assert Chunk([1], 0, False, Stats(), "", 9).tensors()["cut_at"].shape == (1, 0)
 
 
 def test_defaults_and_limits():
@@ -102,10 +178,10 @@ def service(default_runtime):
     s.close()
 
 
-def run(service, prompt_ids, max_tokens, stream, cancel_after=None):
+def run(service, prompt_ids, max_tokens, stream, cancel_after=None, **more):
     chunks: list[Chunk] = []
     inputs = {"input_ids": np.array([prompt_ids], np.int32), "max_tokens": one(max_tokens, np.int32),
-              "stream": one(stream, np.bool_)}
+              "stream": one(stream, np.bool_), **more}
     done = service.run(inputs, chunks.append,
                        cancelled=lambda: cancel_after is not None and len(chunks) >= cancel_after)
     return done, chunks
@@ -135,6 +211,32 @@ def test_stream_and_single_response_match_plain_greedy(service, default_runtime,
     st, stats = chunks[-1].tensors(), chunks[-1].stats
     assert st["num_steps"][0, 0] == stats.steps >= 1 and st["total_draft_tokens"][0, 0] == stats.draft_tokens
     assert st["total_accepted_draft_tokens"][0, 0] == stats.accepted_tokens <= stats.draft_tokens
+
+
+def texts(tok, chunks: list[Chunk]) -> list[str]:
+    """What postprocessing makes of each response."""
+    return [decode_chunk(tok, np.array([c.output_ids], np.int32), one(c.sent_len, np.int32), one(c.final, np.bool_),
+                         words(*c.cut_at))[0, 0].decode() for c in chunks]
+
+
+@pytest.mark.slow
+def test_stop_words_end_the_request_in_the_core_and_the_text_where_they_start(service, default_runtime,
+                                                                              default_tokenizer):
+    from spork_trt.config import GenerateConfig
+    from spork_trt.openai_api.stops import tokens_through_stop
+
+    prompt = default_tokenizer.encode_prompt("Name three planets.")
+    plain = default_runtime.generate(prompt, GenerateConfig(max_new_tokens=32), mode="plain")
+    for at in (len(plain.text) // 3, len(plain.text) // 2):
+        stop = plain.text[at:at + 5]  # inside the answer, likely across tokens
+        cut = plain.text[:plain.text.index(stop)]
+        through = tokens_through_stop(plain.token_ids, default_tokenizer.decode, (stop,))
+        for stream in (False, True):
+            done, chunks = run(service, prompt, 32, stream, stop_words=words(stop, "\u2603never"))
+            assert done and chunks[-1].stop_reason == "stop_string" and tokens(chunks) == plain.token_ids[:through]
+            # the responses add up to the text before the stop string: none sent a part of it (nothing takes it back)
+            assert "".join(texts(default_tokenizer, chunks)) == cut and all(c.cut_at == () for c in chunks[:-1])
+            assert sum(int(c.tensors()["num_output_tokens"][0, 0]) for c in chunks) == through
 
 
 @pytest.mark.slow

@@ -19,7 +19,9 @@ class End:
 
 
 async def answer(stream: Stream) -> AsyncIterator[str | End]:
-    """Text pieces (never empty), then one End."""
+    """Text pieces (never empty), then one End. The engine core ends the request at a stop string itself (upstream
+    sends them as stop_words) and holds back the tokens that could begin one; the filter cuts the text exactly where
+    the stop string starts, and cancels the stream should it see one first."""
     stops = stream.job.cfg.stop_strings
     filt = StopFilter(stops)
     async for piece in stream:

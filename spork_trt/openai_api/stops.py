@@ -1,6 +1,9 @@
 """Stop strings over a stream of text: the answer ends exactly where the first stop string starts, and only text
-that could still begin one is held back."""
+that could still begin one is held back (the engine core's own rule, stopping.cut and stopping.partial_stop, on
+text)."""
 from __future__ import annotations
+
+from ..stopping import cut, partial_stop
 
 
 class StopFilter:
@@ -12,11 +15,11 @@ class StopFilter:
         if self.stopped:
             return ""
         buf = self.held + text
-        cuts = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if cuts:
+        before = cut(buf, self.stops)
+        if len(before) < len(buf):
             self.stopped, self.held = True, ""
-            return buf[:min(cuts)]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+            return before
+        keep = partial_stop(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
 

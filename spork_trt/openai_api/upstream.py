@@ -1,5 +1,6 @@
-"""The gRPC stream to Triton's `spork` model (tritonclient.grpc.aio): a Job's token ids and sampling tensors in,
-pieces of text out, decoded from each response's token window exactly as the ensemble's postprocessing does."""
+"""The gRPC stream to Triton's `spork` model (tritonclient.grpc.aio): a Job's token ids, sampling tensors and stop
+strings in, pieces of text out, decoded from each response's token window exactly as the ensemble's postprocessing
+does (the stop strings are cut here, by answer.py's StopFilter, not by the spork step's `cut_at`)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ class Piece:
     text: str
     ids: list[int]  # every token generated so far (EOS excluded)
     stats: dict[str, float]
-    stop_reason: str  # "" until the final response: eos | max_tokens
+    stop_reason: str  # "" until the final response: eos | max_tokens | stop_string
     final: bool
 
 
@@ -100,6 +101,8 @@ def inputs(job: Job) -> list:
               "stream": (np.array([[True]], np.bool_), "BOOL")}  # always: stop strings and cancellation need it
     if s.seed is not None:
         values["seed"] = (np.array([[s.seed]], np.uint64), "UINT64")
+    if job.cfg.stop_strings:  # the engine core ends the request there too, freeing its slot without a cancel
+        values["stop_words"] = (np.array([[t.encode("utf-8") for t in job.cfg.stop_strings]], np.object_), "BYTES")
     out = []
     for name, (arr, dtype) in values.items():
         t = grpcclient.InferInput(name, list(arr.shape), dtype)

@@ -17,9 +17,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:  # one request's failure never fails the others
             try:
-                ids, sent, final = (pb_utils.get_input_tensor_by_name(request, n).as_numpy()
-                                    for n in ("output_ids", "sent_len", "final"))
-                text = decode_chunk(self.tok, ids, sent, final)  # [1, 1] bytes
+                ids, sent, final, cut_at = (pb_utils.get_input_tensor_by_name(request, n).as_numpy()
+                                            for n in ("output_ids", "sent_len", "final", "cut_at"))
+                text = decode_chunk(self.tok, ids, sent, final, cut_at)  # [1, 1] bytes
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]))
             except Exception as e:  # bad input as it is; anything else by its id only (the detail logged under it)
                 code = pb_utils.TritonError.INVALID_ARG if isinstance(e, UserError) else pb_utils.TritonError.INTERNAL
