@@ -104,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-queue", type=int, default=RepoConfig.max_queue,
                    help="requests waiting for a slot per instance; more are answered UNAVAILABLE (default: "
                         "%(default)s)")
+    t.add_argument("--request-timeout", type=float, default=RepoConfig.request_timeout_s, metavar="S",
+                   help="a request's deadline in seconds: it ends with stop_reason timeout and what it generated; "
+                        "clients may ask less with the timeout_s input (default: %(default)s)")
     t.add_argument("--no-prefix-reuse", action="store_true",
                    help="prefill every prompt whole (default: a prompt that starts with a finished request's tokens, "
                         "a conversation's next turn, reuses their KV rows)")
@@ -267,7 +270,7 @@ def triton(a) -> int:
     device = "" if a.device == "onnx" else a.device
     repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances, a.slots,
                              a.draft, a.max_context, a.max_queue, a.unary_instances, device, a.dtype,
-                             not a.no_prefix_reuse))
+                             not a.no_prefix_reuse, a.request_timeout))
     print(f"rendered {repo} ({a.profile} profile): serve it with `python -m spork_trt serve --repo {repo}`")
     return 0
 

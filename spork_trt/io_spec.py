@@ -182,6 +182,7 @@ REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent
     MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STOP_WORDS,
     TritonTensor("stream", "BOOL", (1,), optional=True),
     TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
+    TritonTensor("timeout_s", "FP32", (1,), optional=True),  # the request's deadline, at most the server's
     *(c.tensor for c in COMPAT_INPUTS),
 )
 
@@ -240,7 +241,8 @@ STATS_OUTPUTS = (  # from the spork step straight to the client, in every respon
     TritonTensor("mean_accepted_length", "FP32", (1,)),
     TritonTensor("num_steps", "INT32", (1,)),
     TritonTensor("cached_tokens", "INT32", (1,)),  # prompt tokens whose KV rows were reused (prefix_cache)
-    TritonTensor("stop_reason", "STRING", (1,)),  # "" until the final response: eos | max_tokens | stop_string
+    # "" until the final response: eos | max_tokens | stop_string | timeout (the deadline passed: what was generated)
+    TritonTensor("stop_reason", "STRING", (1,)),
     # TensorRT-LLM's counts (Triton's OpenAI frontend reads them for `usage`): the prompt's tokens (after the chat
     # template), and the generated tokens this response carries (a stream's responses add up to the whole answer)
     TritonTensor("num_input_tokens", "INT32", (1,)),

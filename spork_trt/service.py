@@ -8,6 +8,7 @@ optional input is None and means the default.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -46,6 +47,7 @@ class ServeRequest:
     cfg: GenerateConfig
     mode: str  # plain | spork
     stream: bool
+    timeout_s: float  # the deadline: seconds from submission until the request is ended (stop_reason "timeout")
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class Limits:
     context: int  # positions a request may use: prompt + new tokens (its slot keeps one step's tree besides)
     vocab_size: int  # prompt ids are in [0, vocab_size)
     spec: SpecConfig = SpecConfig()
+    timeout_s: float = 600.0  # a request's deadline: the default, and the most a request may ask for
 
 
 def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> ServeRequest:
@@ -163,7 +166,10 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     stream = bool(scalar(inputs, "stream", bool, False))
     if stream and not can_stream:
         raise UserError("stream=true needs the streaming model `ensemble`; `ensemble_unary` answers once")
-    return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream)
+    timeout = scalar(inputs, "timeout_s", float, limits.timeout_s)
+    if not 0 < timeout <= limits.timeout_s:  # NaN too
+        raise UserError(f"timeout_s must be in (0, {limits.timeout_s:g}] seconds (this server's longest), got {timeout}")
+    return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout)
 
 
 @dataclass(eq=False)
@@ -177,6 +183,8 @@ class Ticket:
     fail: Callable[[BaseException], None]
     close: Callable[[], None]
     cancelled: Callable[[], bool]
+    deadline: float = math.inf  # time.monotonic() at which the request is ended (stop_reason "timeout")
+    expired: bool = False  # the deadline passed: it leaves the core, answered with what it generated
     generated: list[int] = field(default_factory=list)  # every token sent or to send
     sent: int = 0  # tokens the previous responses carried
 
@@ -237,14 +245,15 @@ class Service:
     """The spork step: one engine core over one KV pool, stepped by one thread; requests join the running batch
     between steps, leave when done or cancelled, and queue (bounded) while every slot is in use."""
 
-    def __init__(self, runtime: Runtime, spec: SpecConfig, core: CoreConfig = CoreConfig(slots=8)) -> None:
+    def __init__(self, runtime: Runtime, spec: SpecConfig, core: CoreConfig = CoreConfig(slots=8),
+                 timeout_s: float = Limits.timeout_s) -> None:
         self.runtime, self.spec = runtime, spec
         # the context a request may use: the model's window, or less when the slots are smaller (they also keep
         # room for one step's tree)
         self.context = min(runtime.cfg.max_seq_len, core.max_len - spec.tree_room)
         if self.context < 2:
             raise UserError(f"KV slots of {core.max_len} positions leave no room for a request: raise max_len")
-        self.limits = Limits(self.context, runtime.cfg.vocab_size, spec)
+        self.limits = Limits(self.context, runtime.cfg.vocab_size, spec, timeout_s)
         self.core = EngineCore(runtime.engine, self.context, core)
         self.metrics = Metrics()
         self._inbox: list[Ticket] = []  # submitted, not yet handed to the core (the loop thread owns the core)
@@ -258,9 +267,10 @@ class Service:
     @classmethod
     def load(cls, engines: Path, draft: str = AUTO_DRAFT,
              providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8),
-             device: str | None = None, dtype: str = "bf16", verify: bool = False) -> Service:
+             device: str | None = None, dtype: str = "bf16", verify: bool = False,
+             timeout_s: float = Limits.timeout_s) -> Service:
         """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`; `verify`: check every
-        artifact's sha256 first (sizes are always checked)."""
+        artifact's sha256 first (sizes are always checked); `timeout_s`: a request's default and longest deadline."""
         rt = Runtime.from_engines(engines, providers, device=device, dtype=dtype, verify=verify)
         spec = rt.resolve(SpecConfig.for_draft(draft))
         draft = parse_draft(spec.draft, rt.cfg.n_layers)
@@ -268,7 +278,7 @@ class Service:
             rt.draft_engine(draft)  # load it now, not on the first request
         else:  # a build without its datastore or head (or a part's engine) fails now, in one line
             rt.drafter(draft, SamplingConfig())
-        return cls(rt, spec, core)
+        return cls(rt, spec, core, timeout_s)
 
     @property
     def healthy(self) -> bool:
@@ -291,7 +301,7 @@ class Service:
         work."""
         req = parse_request(inputs, self.limits, can_stream)
         request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
-        ticket = Ticket(request, req.stream, send, fail, close, cancelled)
+        ticket = Ticket(request, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s)
         with self._wake:
             if self._down is not None or self._stopping:
                 raise QueueFull(self._down or SHUTTING_DOWN)
@@ -363,9 +373,11 @@ class Service:
     def _iterate(self, joining: list[Ticket]) -> None:
         for t in joining:
             self._join(t)
+        now = time.monotonic()
         for req, t in list(self._tickets.items()):
+            t.expired = t.expired or now >= t.deadline
             try:
-                req.cancelled = req.cancelled or t.cancelled()
+                req.cancelled = req.cancelled or t.expired or t.cancelled()
             except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
                 req.cancelled = True
                 log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.id, e)
@@ -410,7 +422,9 @@ class Service:
             self.metrics.draft_tokens += req.stats.draft_tokens
             self.metrics.accepted_tokens += req.stats.accepted_tokens
             res = req.result()
-            if res.stop_reason == "cancelled":
+            if t.expired:  # its deadline: what it generated, as a finished answer
+                deliver(t, t.send, t.chunk(True, req.stats, "timeout"))
+            elif res.stop_reason == "cancelled":
                 deliver(t, t.close)
             else:
                 deliver(t, t.send, t.chunk(True, req.stats, res.stop_reason))

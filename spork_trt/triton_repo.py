@@ -40,6 +40,7 @@ class RepoConfig:
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
     dtype: str = "bf16"  # the device engine's precision (DEVICE_DTYPES)
     prefix_reuse: bool = True  # a prompt starting with a finished request's KV rows reuses them (prefix_cache)
+    request_timeout_s: float = 600.0  # a request's deadline: the default, and the longest `timeout_s` it may ask
 
     @property
     def repo(self) -> Path:
@@ -169,6 +170,8 @@ def render(cfg: RepoConfig) -> Path:
     if cfg.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0 (0: refuse requests while every slot is in use), got "
                         f"{cfg.max_queue}")
+    if not 0 < cfg.request_timeout_s < float("inf"):
+        raise UserError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout_s}")
     if cfg.target_device not in DEVICES or cfg.dtype not in DEVICE_DTYPES:
         raise UserError(f"--device must be one of cuda, cpu (or none: ONNX Runtime) and --dtype one of "
                         f"{', '.join(DEVICE_DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
@@ -193,6 +196,7 @@ def render(cfg: RepoConfig) -> Path:
         "preprocessing": {"engines": where},
         "spork": {"engines": where, "draft": cfg.draft, "slots": str(cfg.slots), "max_len": str(max_len),
                   "max_queue": str(cfg.max_queue), "prefix_reuse": str(int(cfg.prefix_reuse)),
+                  "timeout_s": str(cfg.request_timeout_s),
                   "providers": GPU_PROVIDERS if cfg.profile == "gpu-onnx" else "CPUExecutionProvider",
                   "device": cfg.target_device, "dtype": cfg.dtype, "_count": str(cfg.instances)},
         "spork_unary": {"_count": str(cfg.unary_instances)},

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spork_trt import io_spec
+from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, parse_request
 from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
@@ -34,6 +35,9 @@ def one(value, dtype):
     ("top_k", one(-1, np.int32), "top_k must be >= 0"),
     ("spec_mode", one(b"gate", np.object_), "unknown spec_mode 'gate'"),
     ("max_tokens", np.array([[1, 2]], np.int32), "max_tokens must hold one value"),
+    ("timeout_s", one(0.0, np.float32), "timeout_s must be in (0, 600]"),
+    ("timeout_s", one(np.nan, np.float32), "timeout_s must be in (0, 600]"),
+    ("timeout_s", one(601.0, np.float32), "timeout_s must be in (0, 600] seconds (this server's longest)"),
 ])
 def test_bad_request_names_the_field(field, value, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -252,6 +256,20 @@ def test_concurrent_requests_have_independent_state(service, default_tokenizer):
         t.join()
     assert [got[k] for k in range(len(prompts))] == alone
     assert service.active == 0
+
+
+@pytest.mark.slow
+def test_a_request_past_its_deadline_ends_with_what_it_generated(service, default_runtime, default_tokenizer):
+    """timeout_s: the request leaves the core at the first step after its deadline (its slot freed) and is answered
+    with the tokens so far, stop_reason "timeout": a prefix of plain greedy decoding; the default is the server's."""
+    assert parse_request({"input_ids": IDS}, LIMITS).timeout_s == LIMITS.timeout_s
+    prompt = default_tokenizer.encode_prompt("Write a long story about a dragon.")
+    for stream in (True, False):
+        done, chunks = run(service, prompt, 400, stream, timeout_s=one(0.5, np.float32))
+        got = tokens(chunks)
+        assert done and chunks[-1].final and chunks[-1].stop_reason == "timeout" and 0 < len(got) < 400
+        assert got == default_runtime.generate(prompt, GenerateConfig(max_new_tokens=len(got))).token_ids
+        assert service.active == 0
 
 
 @pytest.mark.slow

@@ -36,7 +36,9 @@ async def answer(stream: Stream) -> AsyncIterator[str | End]:
             rest = filt.flush()
             if rest:
                 yield rest
-            yield End("length" if piece.stop_reason == "max_tokens" else "stop", len(piece.ids), piece.stats)
+            # the server's deadline cut it short, like max_tokens: "length"
+            yield End("length" if piece.stop_reason in ("max_tokens", "timeout") else "stop", len(piece.ids),
+                      piece.stats)
             return
     raise ApiError(502, "the model server ended the answer without its final response", None, "upstream_error",
                    "server_error")

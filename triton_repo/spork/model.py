@@ -58,7 +58,7 @@ class TritonPythonModel:
                           max_queue=int(params["max_queue"]), prefix_reuse=params.get("prefix_reuse", "1") == "1")
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
                                     core, device=instance_device(params.get("device", ""), args),
-                                    dtype=params.get("dtype", "bf16"))
+                                    dtype=params.get("dtype", "bf16"), timeout_s=float(params.get("timeout_s", 600)))
         self.metrics, self.families = {}, []  # a family must outlive its metrics
         for name, kind, doc, field in METRICS:
             family = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind))
