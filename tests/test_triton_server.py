@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -40,14 +41,18 @@ def local(default_engines):
     from spork_trt.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines)
-    cache: dict[tuple[str, int], str] = {}
+    cache: dict[tuple[str, int], object] = {}
 
-    def text(prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    def result(prompt: str, max_tokens: int = MAX_TOKENS):
         if (prompt, max_tokens) not in cache:
             ids = rt.tokenizer.encode_prompt(prompt)
-            cache[prompt, max_tokens] = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens)).text
+            cache[prompt, max_tokens] = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens))
         return cache[prompt, max_tokens]
 
+    def text(prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        return result(prompt, max_tokens).text
+
+    text.result, text.tok = result, rt.tokenizer
     return text
 
 
@@ -169,6 +174,71 @@ def test_bad_input_is_an_error_naming_the_problem_while_others_carry_on(server, 
     worker.join(timeout=300)
     assert in_flight["reply"].text == local(prompt)  # the request in flight was not disturbed
     assert query(prompt, cfg(server, "http")).text == local(prompt)  # and the server still serves
+
+
+def stream_infer(server, model: str, inputs: dict[str, tuple[np.ndarray, str]]) -> list[dict[str, np.ndarray]]:
+    """gRPC streaming with hand-made tensors: every response's outputs (raises the error response's message)."""
+    import tritonclient.grpc as grpcclient
+
+    tensors = []
+    for name, (arr, dtype) in inputs.items():
+        tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+        tensors[-1].set_data_from_numpy(arr)
+    responses: queue.Queue = queue.Queue()
+    out = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        c.start_stream(callback=lambda result, error: responses.put((result, error)))
+        c.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=300)
+            if error is not None:
+                raise UserError(error.message())
+            resp = result.get_response()
+            if resp.outputs:
+                out.append({o.name: result.as_numpy(o.name) for o in resp.outputs})
+            if resp.parameters["triton_final_response"].bool_param:
+                c.stop_stream()
+                return out
+
+
+def test_stop_words_end_the_request_and_tensorrt_llm_style_requests_are_served(server, local):
+    """stop_words end a request in the engine core (stop_reason stop_string) with the text exactly up to the stop
+    string, on every protocol; a request shaped as Triton's OpenAI frontend sends a TensorRT-LLM model (the fields of
+    python/openai/openai_frontend/engine/utils/triton.py) is answered, its counts add up; what it cannot honour is
+    refused naming the field."""
+    from spork_trt.openai_api.stops import tokens_through_stop
+
+    prompt = mt_bench_prompts(1)[0]
+    want = local.result(prompt)
+    stop = want.text[len(want.text) // 2:len(want.text) // 2 + 5]  # inside the answer, likely across tokens
+    cut = want.text[:want.text.index(stop)]
+    through = tokens_through_stop(want.token_ids, local.tok.decode, (stop,))
+    for protocol, stream in PROTOCOLS:
+        reply = query(prompt, cfg(server, protocol, stream, stop_words=(stop, "\u2603never")))
+        assert (reply.text, reply.stop_reason) == (cut, "stop_string"), (protocol, stream)
+
+    def one(value, dtype):
+        return np.array([[value]], dtype), {np.float32: "FP32", np.int32: "INT32", np.uint64: "UINT64",
+                                             np.bool_: "BOOL", np.object_: "BYTES"}[dtype]
+
+    frontend = {"text_input": one(prompt.encode(), np.object_), "stream": one(True, np.bool_),
+                "max_tokens": one(MAX_TOKENS, np.int32), "stop_words": one(stop.encode(), np.object_),
+                "top_p": one(1.0, np.float32), "frequency_penalty": one(0.0, np.float32),
+                "presence_penalty": one(0.0, np.float32), "seed": one(5, np.uint64),
+                "temperature": one(0.0, np.float32), "exclude_input_in_output": one(True, np.bool_),
+                "return_num_input_tokens": one(True, np.bool_), "return_num_output_tokens": one(True, np.bool_)}
+    for stream in (True, False):
+        out = stream_infer(server, "ensemble", {**frontend, "stream": one(stream, np.bool_)})
+        assert "".join(o["text_output"][0, 0].decode() for o in out) == cut and (len(out) > 1) == stream
+        assert sum(int(o["num_output_tokens"][0, 0]) for o in out) == through
+        assert int(out[-1]["num_input_tokens"][0, 0]) == len(local.tok.encode_prompt(prompt))
+    older = {k: v for k, v in frontend.items() if k not in ("seed", "stop_words")}  # before 2.59: random_seed
+    out = stream_infer(server, "ensemble", {**older, "random_seed": one(5, np.uint64),
+                                           "temperature": one(1.0, np.float32)})  # OpenAI's default temperature
+    sampled = "".join(o["text_output"][0, 0].decode() for o in out)
+    assert out[-1]["stop_reason"][0, 0] in (b"eos", b"max_tokens") and len(sampled) > 0
+    with pytest.raises(UserError, match=re.escape("frequency_penalty=0.5 is not supported by this server")):
+        stream_infer(server, "ensemble", {**frontend, "frequency_penalty": one(0.5, np.float32)})
 
 
 def test_16_concurrent_streaming_clients_get_their_own_answers(server, local):
