@@ -1,6 +1,7 @@
 """A target's row computes the same logits, bit for bit, alone, inside a tree and inside a batch (row_invariance.py):
 on a tiny seeded model exported as the default build does (GroupQueryAttention), in fp32 and quantized (MatMulNBits
-int8 and int4, int8 activations), with `min_rows` 2. Without it a one-row forward takes other kernels, and the
+int8 and int4, int8 activations), with `min_rows` 2, also a one-token sequence packed beside a prompt chunk. Without it a one-row sequence takes
+other kernels, and the
 quantized graphs turn that into a different argmax (checked here too, so the test can fail)."""
 from __future__ import annotations
 
@@ -58,12 +59,27 @@ def logits_in_a_batch(e: OnnxEngine) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def logits_beside_a_prompt(e: OnnxEngine) -> torch.Tensor:
+    """One token per forward while a neighbour's prompt is prefilled in 3-token chunks in the same forwards (the
+    engine core's step with a joining request): the first sequence's [4, V]."""
+    pool = e.make_pool(2, 64).caches
+    e.forward_batch([chain_input(pool[0], PROMPT)])
+    prompt, rows = [7, 12, 19, 44, 3, 5, 9, 1, 2, 6, 8, 10], []
+    for k, t in enumerate(NEXT):
+        for c in pool:
+            c.commit()
+        rows.append(e.forward_batch([chain_input(pool[0], [t]), chain_input(pool[1], prompt[3 * k:3 * k + 3], ())])
+                    [0][0])
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
 def test_a_row_is_the_same_alone_in_a_tree_and_in_a_batch(graphs, precision):
     e = OnnxEngine(graphs[precision], CFG, min_rows=2)
     alone = logits_alone(e)
     assert torch.equal(alone, logits_in_a_tree(e))
     assert torch.equal(alone, logits_in_a_batch(e))
+    assert torch.equal(alone, logits_beside_a_prompt(e))  # a 1-token sequence packed beside a longer one
 
 
 def test_without_the_dummy_row_a_quantized_row_alone_differs(graphs):

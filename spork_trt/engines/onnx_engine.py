@@ -120,9 +120,9 @@ class OnnxEngine(CachedEngine):
         """One padded forward over B sequences: input_ids, position_ids [B, T] (T = the most new tokens), each
         layer's past rows of the whole batch from a Staging (P about the longest context; each sequence sees only its
         own), new rows copied back into each sequence's cache. One sequence binds its rows in place (`forward`).
-        With `min_rows` 2, a forward of one row gets a dummy row (row_invariance.py)."""
+        With `min_rows` 2, every sequence of one token gets a dummy row (row_invariance.py)."""
         pad = pad_to_rows(seqs, self.min_rows)
-        if pad is not None:
+        if pad:
             return forward_padded(self.forward_batch, seqs, hidden, pad)
         if len(seqs) == 1:
             return super().forward_batch(seqs, hidden)
