@@ -25,6 +25,9 @@ GENERATE_EXAMPLES = """examples:
 """
 
 
+DEFAULT_ENGINES = "engines/default"  # `python -m export build`'s default output, found by `generate`
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad usage as one line (`error: ...`) and exit code 2."""
 
@@ -66,7 +69,9 @@ def build_parser() -> Parser:
     g.add_argument("--dtype", choices=DEVICE_DTYPES, default="bf16",
                    help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
     g.add_argument("--engines", default=None, metavar="DIR",
-                   help="run the ONNX Runtime engines built by `python -m export build` in DIR (e.g. engines/default)")
+                   help="run the ONNX Runtime engines built by `python -m export build` in DIR (default: "
+                        f"{DEFAULT_ENGINES} when it holds a build and neither --model nor --device cuda is given; else "
+                        "the PyTorch reference engine)")
     g.add_argument("--verify", action="store_true",
                    help="with --engines: check every artifact's sha256 against the manifest first (sizes always are)")
     for f in REQUEST_FIELDS:  # the request's settings: names, limits and defaults from io_spec and the configs
@@ -112,6 +117,19 @@ def spec_config(a: argparse.Namespace) -> SpecConfig:
                                 verifier=a.verifier, gate_tau=a.tau or 0.0, target_acceptance=a.target_acceptance)
 
 
+def default_engines(a: argparse.Namespace) -> tuple[str | None, str]:
+    """The build `generate` runs when told neither --engines, --model nor --device cuda: engines/default if it holds
+    one, else None (the PyTorch reference engine); and the line that says which."""
+    from pathlib import Path
+
+    if a.engines or a.model or a.device != "cpu":
+        return a.engines, ""
+    if (Path(DEFAULT_ENGINES) / "manifest.json").is_file():
+        return DEFAULT_ENGINES, f"[generate] the build in {DEFAULT_ENGINES} (--model runs the PyTorch reference engine)"
+    return None, (f"[generate] no build in {DEFAULT_ENGINES}: the PyTorch reference engine (slower; `python -m export "
+                  "build` makes the build)")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from .runtime import Runtime
     from .tokenizer import StreamDecoder
@@ -122,6 +140,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.engines and a.device != "cpu":
         raise UserError("--device cuda runs the target from --model (the device engine); --engines are ONNX Runtime "
                         "builds: pass one or the other")
+    a.engines, which = default_engines(a)
     if a.verify and not a.engines:
         raise UserError("--verify checks a build's artifacts: pass --engines DIR")
     rt = Runtime.from_engines(a.engines, verify=a.verify) if a.engines else Runtime.load(a.model, a.device, a.dtype)
@@ -148,6 +167,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                       else "")
         print(f"[{a.mode}/{rt.backend}] {st.committed_tokens} tokens in {st.time_s:.2f}s "
               f"({st.tokens_per_second:.1f} tokens/s), {st.steps} steps{spec_part}", file=sys.stderr)
+    if which:  # after the answer: an error above stays one line
+        print(which, file=sys.stderr)
     return 0
 
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spork_trt", *args], capture_output=True, text=True, timeout=300)
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m spork_trt ARGS` in `cwd` (default: an empty folder, so no engines/default build is found)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as empty:
+        return subprocess.run([sys.executable, "-m", "spork_trt", *args], capture_output=True, text=True, timeout=300,
+                              cwd=cwd or empty)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -21,7 +27,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--model", "/no/such/model"], "does not exist"),
-    (["generate", "hi", "--model", "pyproject.toml"], "unknown model format"),
+    (["generate", "hi", "--model", str(Path(__file__).parents[1] / "pyproject.toml")], "unknown model format"),
     (["generate", "hi", "--mode", "warp"], "invalid choice"),
     (["generate"], "required: prompt"),
     (["generate", "hi", "--tree-width", "0"], "--tree-width must be in 1..64"),
@@ -67,6 +73,18 @@ def test_json_output_and_streamed_text_agree():
     streamed = run("generate", "What is the capital of France?", "--max-new-tokens", "12")  # spork by default
     assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n"  # lossless: the same text
     assert streamed.stderr.startswith(f"[spork/torch] {len(out['token_ids'])} tokens in ")
+    assert "no build in engines/default: the PyTorch reference engine" in streamed.stderr
+
+
+@pytest.mark.slow
+def test_generate_runs_the_default_build_when_there_is_one(default_engines, tmp_path):
+    """Without --engines or --model, `generate` runs engines/default when it holds a build, and says so."""
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "default").symlink_to(default_engines)
+    r = run("generate", "What is the capital of France?", "--max-new-tokens", "12", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("[spork/onnx") and "[generate] the build in engines/default" in r.stderr
+    assert "Paris" in r.stdout
 
 
 @pytest.mark.slow
