@@ -43,6 +43,7 @@ class PrefixCache:
     pool: KVPool
     kept: dict[int, tuple[int, ...]] = field(default_factory=dict)  # free slot -> the tokens its rows hold
     blocks: dict[int, set[int]] = field(default_factory=dict)  # chained hash of a first k * BLOCK tokens -> slots
+    hashes: dict[int, list[int]] = field(default_factory=dict)  # kept slot -> its chained block hashes
     used: dict[int, int] = field(default_factory=dict)  # free kept slot -> when it was kept (LRU clock)
     clock: int = 0
     stats: PrefixStats = field(default_factory=PrefixStats)
@@ -72,28 +73,33 @@ class PrefixCache:
         if n < BLOCK:
             return
         self.kept[slot], self.used[slot], self.clock = tuple(tokens[:n]), self.clock, self.clock + 1
-        for h in chain_hashes(self.kept[slot]):
+        self.hashes[slot] = chain_hashes(self.kept[slot])
+        for h in self.hashes[slot]:
             self.blocks.setdefault(h, set()).add(slot)
 
     def match(self, prompt: list[int]) -> tuple[int | None, int]:
         """The kept slot sharing the longest prefix with `prompt` (at least one block, at most all but its last
         token) and that prefix's length; (None, 0) without one."""
-        limit, found = len(prompt) - 1, set()
-        for depth, h in enumerate(chain_hashes(prompt[:limit]), start=1):
-            slots = {s for s in self.blocks.get(h, ()) if self.kept[s][:depth * BLOCK] == tuple(prompt[:depth * BLOCK])}
+        limit, found = len(prompt) - 1, set(self.kept)
+        for depth, h in enumerate(chain_hashes(prompt[:limit])):
+            span = slice(depth * BLOCK, (depth + 1) * BLOCK)  # the hash finds candidates, the tokens decide
+            slots = {s for s in self.blocks.get(h, set()) & found if self.kept[s][span] == tuple(prompt[span])}
             if not slots:
                 break
             found = slots
-        if not found:
+        else:
+            depth = len(prompt[:limit]) // BLOCK
+        if depth == 0:  # not one whole block in common
             return None, 0
-        slot = max(found, key=lambda s: (common(self.kept[s], prompt, limit), self.used[s]))
-        return slot, common(self.kept[slot], prompt, limit)
+        lengths = {s: common(self.kept[s], prompt, limit) for s in found}
+        slot = max(found, key=lambda s: (lengths[s], self.used[s]))
+        return slot, lengths[slot]
 
     def drop(self, slot: int) -> None:
         """Forget what `slot` holds (it is taken, or evicted)."""
-        tokens = self.kept.pop(slot, None)
+        self.kept.pop(slot, None)
         self.used.pop(slot, None)
-        for h in chain_hashes(tokens or ()):
+        for h in self.hashes.pop(slot, ()):
             self.blocks[h].discard(slot)
             if not self.blocks[h]:
                 del self.blocks[h]
