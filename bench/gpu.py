@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.core import Request
+from spork_trt.request import Request
 from spork_trt.datastore import Datastore
 from spork_trt.draft_kinds import NGRAM, STORE
 from spork_trt.drafters import NgramDrafter, StoreDrafter

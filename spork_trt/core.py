@@ -5,9 +5,10 @@ scores it, and the scheduler's goodput allotment (scheduler.allot) decides acros
 target forward verifies; then per request: verify, commit, stream (into its outbox), recover. Prompts are
 prefilled in chunks that ride in that same forward: one token budget (`step_tokens`) holds every request's root,
 then the joining prompts' chunks, then the allotted nodes, so a long prompt never stalls the others and a step
-pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward). Requests join and leave between steps; a cancelled one leaves at the next step and frees its
-slot. `generate` (generate.py) is this core with a batch of one: one code path for the CLI, the bench and the
-server.
+pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward).
+Requests join and leave between steps; a cancelled one leaves at the next step and frees its slot (request.py: a
+request's state). `generate` (generate.py) is this core with a batch of one: one code path for the CLI, the bench
+and the server.
 
 The core never calls back into its caller: a request's cancellation is a field the core reads; its new tokens,
 stats and result are fields the caller reads after each step.
@@ -21,41 +22,31 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .admission import size_request
-from .config import GenerateConfig, SpecConfig
+from .config import GenerateConfig
 from .cost_model import CostModel
 from .draft_switch import DraftSwitch
 from .drafters import drive_each
 from .engines import SeqInput, chain_input
 from .engines.isolation import forward_each
 from .errors import QueueFull
-from .kv_cache import KVPool, Rows
+from .kv_cache import KVPool
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
-from .stats import Stats
 from .stopping import StopState
+from .request import Request, Verified, emit, wants_hidden
 from .tree import DraftTree, compile_tree
-from .verifier import Scored, ScoreJob, Verifier, gate_path, score_batch
+from .verifier import Scored, ScoreJob, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger("spork_trt.core")
-
-
-@dataclass(frozen=True)
-class Verified:
-    """One target-verified step of a request that records them (calibration labels its nodes from these)."""
-
-    tree: DraftTree  # the proposal
-    scored: Scored | None  # the verifier's scores, None when it did not score
-    verdict: Verdict  # over `tree`
 
 
 @dataclass(frozen=True)
@@ -66,62 +57,6 @@ class CoreConfig:
     prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
     max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
     prefix_reuse: bool = True  # a prompt starting with a finished request's rows reuses them (prefix_cache)
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # generated tokens only (EOS excluded)
-    stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled" | "error"
-    stats: Stats
-    text: str | None = None  # set when a decode function was given
-    verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
-
-
-@dataclass(eq=False)
-class Request:
-    """One request's whole state. The caller sets the first block (and `cancelled`); the core owns the rest."""
-
-    prompt_ids: list[int]  # [n]
-    cfg: GenerateConfig
-    eos_ids: frozenset[int] = frozenset()
-    spec: SpecConfig = SpecConfig()
-    drafter: object | None = None  # drafters.Drafter; None: plain decoding
-    verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
-    decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
-    record: bool = False  # keep every verified step in `verified` (calibration)
-    cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
-    # ---- the core's
-    stats: Stats = field(default_factory=Stats)  # filled in as the request runs
-    outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
-    verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
-    stop: StopState | None = None
-    sched: Scheduler | None = None
-    gen: torch.Generator | None = None
-    slot: int | None = None
-    cache: Rows | None = None  # its slot's KV rows in the pool (the target engine itself is stateless over them)
-    room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
-    prefilled: int = 0  # prompt tokens run so far
-    root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
-    behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
-    t0: float = 0.0
-    finished: bool = False
-    error: Exception | None = None  # what failed this request alone (it left at the step it raised in)
-
-    def take(self) -> list[int]:
-        """Committed tokens since the last take."""
-        out, self.outbox = self.outbox, []
-        return out
-
-    @property
-    def can_score(self) -> bool:
-        return self.verifier is not None and (self.verifier.head is not None or self.spec.verifier == "on")
-
-    def result(self) -> GenerationResult:
-        reason = "error" if self.error is not None else \
-            "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
-        text = self.stop.text() if self.decode and self.stop.reason else None
-        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
 
 
 @dataclass(frozen=True)
@@ -263,8 +198,9 @@ class EngineCore:
             s, sizes = time.perf_counter() - t, [len(q.tokens) for q in seqs.values()]
             self.batch_tokens = sum(sizes)
             self.costs.record(len(sizes) * max(sizes) if padded else self.batch_tokens, s)
-            n = sum(len(q.tokens) for r, q in seqs.items() if r in trees)
-            share = 1.0 if n == self.batch_tokens else n and self.costs.seconds(n) / self.costs.seconds(sum(sizes))
+            n = sum(len(q.tokens) for r, q in seqs.items() if r in trees)  # the trees' tokens of this forward
+            share = self.costs.seconds(n) / self.costs.seconds(self.batch_tokens) if 0 < n < self.batch_tokens \
+                else float(n > 0)
             tree_s, prefill_s = tree_s + s * share, prefill_s + s * (1 - share)
             logits, features = logits | got, features | feats
         return Forward(logits, features, tree_s, prefill_s)
@@ -461,23 +397,9 @@ class EngineCore:
         emit(r, [r.root], draft=0, accepted=0)
 
 
-def wants_hidden(r: Request) -> bool:
-    """The request's drafter reads the target's hidden states (the learned draft head)."""
-    return r.drafter is not None and r.drafter.wants_hidden
-
-
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:
     """logits [N, V] on the engine's device: greedy takes their argmax there (N ids cross to the host); sampling
     processes them there and walks the tree on the host (the drafts' proposals and `gen` live there)."""
     if cfg.greedy:
         return verify_greedy(tree, children, logits)
     return verify_sampling(tree, children, processed_probs(logits, cfg.sampling).cpu(), gen)
-
-
-def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:
-    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox."""
-    kept = r.stop.add(committed)
-    if kept:
-        r.stats.record_step(draft, accepted, gated)
-        r.stats.committed_tokens += len(kept)
-        r.outbox += kept

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from .config import GenerateConfig, SpecConfig
 from .admission import size_request
-from .core import CoreConfig, EngineCore, GenerationResult, Request
+from .core import CoreConfig, EngineCore
+from .request import GenerationResult, Request
 from .stats import Stats
 from .verifier import Verifier
 

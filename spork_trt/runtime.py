@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
-from .core import Request
+from .request import Request
 from .datastore import Datastore
 from .draft_kinds import (
     DATASTORE,

@@ -21,7 +21,8 @@ import numpy as np
 from . import io_spec
 from .admission import size_request
 from .config import GenerateConfig, SamplingConfig, SpecConfig
-from .core import CoreConfig, EngineCore, Request
+from .core import CoreConfig, EngineCore
+from .request import Request
 from .cost_model import ema
 from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
 from .errors import FieldError, InternalError, QueueFull, UserError

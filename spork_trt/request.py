@@ -1,0 +1,97 @@
+"""One request's state as the engine core keeps it, and its result: what the caller sets, what the core owns, and
+the stop rule applied to what a step commits."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import GenerateConfig, SpecConfig
+from .kv_cache import Rows
+from .scheduler import Scheduler
+from .stats import Stats
+from .stopping import StopState
+from .tree import DraftTree
+from .verifier import Scored, Verifier
+from .verify import Verdict
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One target-verified step of a request that records them (calibration labels its nodes from these)."""
+
+    tree: DraftTree  # the proposal
+    scored: Scored | None  # the verifier's scores, None when it did not score
+    verdict: Verdict  # over `tree`
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens only (EOS excluded)
+    stop_reason: str  # "eos" | "stop_string" | "max_tokens" | "cancelled" | "error"
+    stats: Stats
+    text: str | None = None  # set when a decode function was given
+    verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's whole state. The caller sets the first block (and `cancelled`); the core owns the rest."""
+
+    prompt_ids: list[int]  # [n]
+    cfg: GenerateConfig
+    eos_ids: frozenset[int] = frozenset()
+    spec: SpecConfig = SpecConfig()
+    drafter: object | None = None  # drafters.Drafter; None: plain decoding
+    verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
+    record: bool = False  # keep every verified step in `verified` (calibration)
+    cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
+    # ---- the core's
+    stats: Stats = field(default_factory=Stats)  # filled in as the request runs
+    outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
+    verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
+    stop: StopState | None = None
+    sched: Scheduler | None = None
+    gen: torch.Generator | None = None
+    slot: int | None = None
+    cache: Rows | None = None  # its slot's KV rows in the pool (the target engine itself is stateless over them)
+    room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
+    prefilled: int = 0  # prompt tokens run so far
+    root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
+    behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
+    t0: float = 0.0
+    finished: bool = False
+    error: Exception | None = None  # what failed this request alone (it left at the step it raised in)
+
+    def take(self) -> list[int]:
+        """Committed tokens since the last take."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    @property
+    def can_score(self) -> bool:
+        return self.verifier is not None and (self.verifier.head is not None or self.spec.verifier == "on")
+
+    def result(self) -> GenerationResult:
+        reason = "error" if self.error is not None else \
+            "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
+        text = self.stop.text() if self.decode and self.stop.reason else None
+        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
+
+
+def wants_hidden(r: Request) -> bool:
+    """The request's drafter reads the target's hidden states (the learned draft head)."""
+    return r.drafter is not None and r.drafter.wants_hidden
+
+
+def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:
+    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox."""
+    kept = r.stop.add(committed)
+    if kept:
+        r.stats.record_step(draft, accepted, gated)
+        r.stats.committed_tokens += len(kept)
+        r.outbox += kept
