@@ -12,7 +12,8 @@ import pytest
 from spork_trt import io_spec
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
-from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Limits, Service, parse_request
+from spork_trt.serve_request import Limits, parse_request
+from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Service
 from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
 from spork_trt.tokenizer import text_delta
 
