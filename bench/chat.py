@@ -30,13 +30,14 @@ from .run import command
 from .serve import pct
 
 
-def conversations(name: str, limit: int | None) -> list[tuple[str, str]]:
-    """(first question, second question) of each MT-bench question (or a JSONL file with two `turns`)."""
+def conversations(name: str) -> list[tuple[str, str]]:
+    """(first question, second question) of each MT-bench question (or a JSONL file with two `turns`); the levels
+    take `--limit` of them each, in turn."""
     rows = read_jsonl(DATA / "mt_bench" / "question.jsonl" if name == "mt_bench" else Path(name))
     out = [(r["turns"][0], r["turns"][1]) for r in rows if len(r.get("turns", ())) >= 2]
     if not out:
         raise UserError(f"{name}: no question with two turns")
-    return out[:limit] if limit else out
+    return out
 
 
 def streamed(client, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -151,7 +152,7 @@ def main(a) -> int:
     levels = levels_arg(a.concurrency, "--concurrency")
     if a.repeats < 1:
         raise UserError(f"--repeats takes a positive integer, got {a.repeats}")
-    convs = conversations(a.prompts, None)
+    convs = conversations(a.prompts)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
