@@ -41,8 +41,7 @@ def agreement(engine, seqs: list[tuple[list[int], list[int]]]) -> tuple[int, int
     """(tokens whose argmax equals the reference's next token, tokens): one forward over prompt + output each."""
     same = total = 0
     for ids, out in seqs:
-        engine.reset(len(ids) + len(out))
-        logits = forward_chain(engine, ids + out[:-1])  # [P + N - 1, V]
+        logits = forward_chain(engine, engine.make_cache(len(ids) + len(out)), ids + out[:-1])  # [P + N - 1, V]
         pred = logits[len(ids) - 1:].argmax(-1).tolist()  # the prediction for each output token
         same += sum(int(p == t) for p, t in zip(pred, out))
         total += len(out)
@@ -51,12 +50,12 @@ def agreement(engine, seqs: list[tuple[list[int], list[int]]]) -> tuple[int, int
 
 def decode_ms(engine, context: int, repeats: int = 15) -> float:
     """Median milliseconds of one 1-token forward after `context` committed tokens."""
-    engine.reset(context + 1)
-    prefill(engine, [100 + i % 1000 for i in range(context)])
+    cache = engine.make_cache(context + 1)
+    prefill(engine, cache, [100 + i % 1000 for i in range(context)])
 
     def step():
-        forward_chain(engine, [500])
-        engine.cache.commit([])
+        forward_chain(engine, cache, [500])
+        cache.commit([])
 
     return median_ms(step, repeats)
 

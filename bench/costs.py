@@ -38,18 +38,18 @@ def median_ms(fn, repeats: int) -> float:
     return round(statistics.median(times) * 1000, 2)
 
 
-def forward_ms(engine, n: int, repeats: int, run=None, rows: list[int] | None = None) -> float:
-    """Median ms of one forward of an n-node chain after the engine's committed rows (the rows are dropped), with
+def forward_ms(engine, cache, n: int, repeats: int, run=None, rows: list[int] | None = None) -> float:
+    """Median ms of one forward of an n-node chain after `cache`'s committed rows (the rows are dropped), with
     logits at `rows` (None: every node)."""
-    buf = compile_tree(chain_parents(n - 1), engine.length)
+    buf = compile_tree(chain_parents(n - 1), cache.length)
     ids = torch.tensor([[500 + i for i in range(n)]])
 
     def once():
         if run is not None:
-            run(ids, buf.position_ids, buf.mask)
+            run(cache, ids, buf.position_ids, buf.mask)
         else:
-            engine.forward(ids, buf.position_ids, buf.mask, rows)
-        engine.cache.commit([])  # every repeat runs on the same context
+            engine.forward(cache, ids, buf.position_ids, buf.mask, rows)
+        cache.commit([])  # every repeat runs on the same context
 
     return median_ms(once, repeats)
 
@@ -108,24 +108,24 @@ def main(a) -> int:
     target, verifier = rt.engine, rt.verifier()
     nodes = sorted({1, *(int(n) for n in a.nodes.split(","))})
     context = [100 + i % 1000 for i in range(a.context)]
-    target.reset(a.context + max(*nodes, a.prefill_chunk) + 1)
-    prefill(target, context)
-    rows = [{"nodes": n, "target_ms": forward_ms(target, n, a.repeats),
-             "verifier_ms": forward_ms(target, n, a.repeats, lambda *x: verifier.forward(target.cache, *x))}
+    cache = target.make_cache(a.context + max(*nodes, a.prefill_chunk) + 1)
+    prefill(target, cache, context)
+    rows = [{"nodes": n, "target_ms": forward_ms(target, cache, n, a.repeats),
+             "verifier_ms": forward_ms(target, cache, n, a.repeats, verifier.forward)}
             for n in nodes]
     chunk = a.prefill_chunk  # a prompt chunk: logits at every row (before logit_rows) vs at its last row only
-    prefill_rows = {"tokens": chunk, "all_rows_ms": forward_ms(target, chunk, a.repeats),
-                    "last_row_ms": forward_ms(target, chunk, a.repeats, rows=[chunk - 1])}
+    prefill_rows = {"tokens": chunk, "all_rows_ms": forward_ms(target, cache, chunk, a.repeats),
+                    "last_row_ms": forward_ms(target, cache, chunk, a.repeats, rows=[chunk - 1])}
     t_ms = {r["nodes"]: r["target_ms"] for r in rows}
     drafts = []
     for name in a.drafts:
         if is_kind(name, EAGLE):
             d1 = head_ms(rt, context, a.repeats)
         else:
-            engine = rt.draft_engine(name).fresh()
-            engine.reset(a.context + max(nodes) + 1)
-            prefill(engine, context)
-            d1 = forward_ms(engine, 1, a.repeats)
+            engine = rt.draft_engine(name)
+            own = engine.make_cache(a.context + max(nodes) + 1)
+            prefill(engine, own, context)
+            d1 = forward_ms(engine, own, 1, a.repeats)
         x, depth = ceiling(t_ms, d1)
         drafts.append({"draft": name, "draft_ms": d1, "limit": round(t_ms[1] / d1, 2), "ceiling": x,
                        "ceiling_depth": depth})

@@ -101,8 +101,7 @@ def main(a) -> int:
     low = DeviceEngine(ck.model, a.device, a.dtype)
     logits = []
     for eng in (dev32, low):
-        eng.reset(len(prompts[0]) + 1)
-        logits.append(forward_chain(eng, prompts[0]))  # [n, V]
+        logits.append(forward_chain(eng, eng.make_cache(len(prompts[0]) + 1), prompts[0]))  # [n, V]
     diff = (logits[0] - logits[1]).abs()
     res["bf16"] = {"max_abs_diff": round(float(diff.max()), 4), "mean_abs_diff": round(float(diff.mean()), 5),
                    "top1_agreement": round(float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean()), 4)}

@@ -60,55 +60,56 @@ class Drafter(Protocol):
 
 @dataclass
 class ModelDrafter(Drafter):
-    """Drafts with any engine (separate model, quantized self-draft, early exit) that keeps its own KV cache.
+    """Drafts with any engine (separate model, quantized self-draft, early exit) over a KV cache of its own.
 
-    Invariant: the engine's committed rows hold the committed sequence minus `behind` (committed tokens it has not
-    run yet) minus the root; `rows` maps tree nodes to the pending rows the last `propose` wrote.
+    Invariant: `cache`'s committed rows hold the committed sequence minus `behind` (committed tokens it has not run
+    yet) minus the root; `rows` maps tree nodes to the pending rows the last `propose` wrote.
     """
 
+    # the draft model, stateless: one per runtime and draft, shared by every request's drafter, so the engine core
+    # runs all their forwards of a depth as one batch
     engine: object
     sampling: SamplingConfig
     gen: torch.Generator
     # a self-draft (the target quantized, or its first layers) takes the target's prompt KV rows instead of running
     # the prompt itself: exact for early exit, close for a quantized copy; only draft quality depends on it
     share_prompt: bool = False
-    # the engine that runs batched forwards over many drafters' caches (one per runtime and draft, so its staging
-    # buffers follow the same requests step after step); None: this drafter's own engine
-    batcher: object = None
+    cache: Rows | None = None  # its own draft KV rows (engine.make_cache; a later reset reuses them)
     behind: list[int] = field(default_factory=list)
-    rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to engine.length)
+    rows: dict[int, int] = field(default_factory=dict)  # tree node -> pending row (relative to cache.length)
     batched: ClassVar[bool] = True
 
     def reset(self, prompt_ids: list[int], max_len: int, rows: Rows | None = None) -> None:
-        self.engine.reset(max_len)
-        adopted = (self.share_prompt and rows is not None and self.engine.cache.adopt(rows, len(prompt_ids)))
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.engine.make_cache(max_len)
+        self.cache.truncate(0)
+        adopted = self.share_prompt and rows is not None and self.cache.adopt(rows, len(prompt_ids))
         if not adopted:
-            prefill(self.engine, prompt_ids)
+            prefill(self.engine, self.cache, prompt_ids)
         self.behind, self.rows = [], {}
 
     def propose(self, root: int, spec: SpecConfig) -> DraftTree:
         return drive([self.proposing(root, spec)])[0]
 
     def proposing(self, root: int, spec: SpecConfig) -> Proposing:
-        eng = self.batcher or self.engine
-        base = self.engine.length
+        base = self.cache.length
         run = self.behind + [root]  # catch up on committed tokens, then the root, as one causal chain
-        logits = yield eng, chain_input(self.engine.cache, run, (len(run) - 1,))  # [1, V]
+        logits = yield self.engine, chain_input(self.cache, run, (len(run) - 1,))  # [1, V]
         self.rows = {0: len(run) - 1}
         growing = grow_steps(root, logits, spec, self.sampling, self.gen)
         try:
             level, tokens, parents = next(growing)
             while True:
-                logits = yield eng, self.level_input(level, tokens, parents, base)  # [len(level), V]
+                logits = yield self.engine, self.level_input(level, tokens, parents, base)  # [len(level), V]
                 level, tokens, parents = growing.send(logits)
         except StopIteration as done:
             return done.value
 
     def level_input(self, level: list[int], tokens: list[int], parents: list[int], base: int) -> SeqInput:
         """One depth of new nodes; each sees the committed prefix, the caught-up chain and its ancestors' rows."""
-        pending = self.engine.pending
+        pending = self.cache.pending
         mask, depth = level_mask(level, parents, self.rows, base, pending)  # [1, L, base + pending + L]
-        return SeqInput(self.engine.cache, tuple(tokens[n] for n in level),
+        return SeqInput(self.cache, tuple(tokens[n] for n in level),
                         tuple(base + self.rows[0] + d for d in depth), mask[0, :, base + pending:],
                         seen=mask[0, :, base:base + pending])
 
@@ -119,7 +120,7 @@ class ModelDrafter(Drafter):
         kept = list(range(self.rows[0] + 1))  # caught-up tokens and the root
         ran = [i for i in verdict.path[1:] if i in self.rows]
         kept += [self.rows[i] for i in ran]
-        self.engine.commit(kept)
+        self.cache.commit(kept)
         self.behind = [tree.tokens[i] for i in verdict.path[1 + len(ran):]]
         self.rows = {}
 

@@ -54,7 +54,6 @@ class Runtime:
     verifier_layers: int = VERIFIER_LAYERS  # the early-layer verifier (and early-exit draft) of this build
     heads: dict[str, ConfidenceHead] = field(default_factory=dict)  # the verifier's calibrated heads, by drafter
     draft_engines: dict[str, object] = field(default_factory=dict)  # built once per draft kind
-    draft_batchers: dict[str, object] = field(default_factory=dict)  # per draft kind: runs the batched draft forwards
     store: Datastore | None = None  # the build's datastore of the target's own text (--draft store)
     # the build's learned draft head, the target's embeddings and the head's ONNX step or None (--draft eagle)
     head: tuple | None = None
@@ -168,7 +167,7 @@ class Runtime:
 
     def resolve(self, spec: SpecConfig) -> SpecConfig:
         """`spec` with draft `auto` resolved (the tree shape kept; on a target whose trees are not exact, a chain
-        of the same depth: engines.CachedEngine.exact_trees)."""
+        of the same depth: engines.Engine.exact_trees)."""
         spec = replace(spec, draft=self.resolve_draft(spec.draft))
         if self.engine.exact_trees:
             return spec
@@ -185,15 +184,6 @@ class Runtime:
             if name not in self.draft_engines:
                 self.draft_engines[name] = self.build_draft_engine(draft)
             return self.draft_engines[name]
-
-    def draft_batcher(self, name: str):
-        """The engine that runs every request's draft forwards of `name` as one batch (the engine core's drive):
-        a copy of the draft engine that holds no sequence, built once, apart from the verifier's (each engine
-        keeps its own staging buffers, which follow the same requests' caches step after step)."""
-        with self._lock:
-            if name not in self.draft_batchers:
-                self.draft_batchers[name] = self.draft_engines[name].fresh()
-            return self.draft_batchers[name]
 
     def verifier(self, head: ConfidenceHead | None = None) -> Verifier:
         """The early-layer verifier (its engine runs on the target engine's cache), scoring with `head`. Every
@@ -284,8 +274,8 @@ def hybrid_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> D
 
 
 def model_drafter(rt: Runtime, draft: DraftSpec, sampling: SamplingConfig) -> Drafter:
-    return ModelDrafter(rt.draft_engine(draft).fresh(), sampling, make_generator(drafter_seed(sampling)),
-                        share_prompt=draft.kind.shares_prompt, batcher=rt.draft_batcher(str(draft)))
+    return ModelDrafter(rt.draft_engine(draft), sampling, make_generator(drafter_seed(sampling)),
+                        share_prompt=draft.kind.shares_prompt)
 
 
 # how each drafter kind is built, after Runtime.drafter checked its needs (AUTO is resolved before)

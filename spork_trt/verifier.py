@@ -133,8 +133,7 @@ class Verifier:
         """The verifier's logits [1, T, V] over new tokens after the target's committed `rows` (its KV cache), run
         on them; the rows it writes are dropped (the target writes its own)."""
         assert rows.pending == 0, "run the verifier before the target's forward of this step"
-        self.engine.cache = rows
-        logits = self.engine.forward(input_ids, position_ids, mask)
+        logits = self.engine.forward(rows, input_ids, position_ids, mask)
         rows.commit([])
         return logits
 

@@ -42,14 +42,14 @@ def drafter(tiny, kind: str, draft: str, sampling: SamplingConfig):
         return None
     if draft == "ngram":
         return NgramDrafter(4)
-    eng = early_engine(tiny, kind)
     seed = None if sampling.seed is None else sampling.seed + 1
-    # one batcher per engine kind, as a runtime has: the core runs every request's draft depth in one forward
-    batcher = BATCHERS.setdefault((id(early), kind), early_engine(tiny, kind))
-    return ModelDrafter(eng, sampling, make_generator(seed), share_prompt=True, batcher=batcher)
+    # one draft engine per engine kind, shared as a runtime shares it: the core runs every request's draft depth
+    # in one forward
+    eng = DRAFT_ENGINES.setdefault((id(early), kind), early_engine(tiny, kind))
+    return ModelDrafter(eng, sampling, make_generator(seed), share_prompt=True)
 
 
-BATCHERS: dict = {}
+DRAFT_ENGINES: dict = {}
 
 
 def early_engine(tiny, kind: str):
@@ -140,9 +140,9 @@ def test_model_drafters_propose_together_what_they_propose_alone(tiny, kind):
     from spork_trt.verify import Verdict
 
     spec = SpecConfig(tree_width=2, tree_depth=3, tree_budget=5)
-    batcher = early_engine(tiny, kind)
-    sets = [[ModelDrafter(early_engine(tiny, kind), SamplingConfig(), make_generator(None),
-                          batcher=batcher if together else None) for _ in range(3)] for together in (True, False)]
+    shared = early_engine(tiny, kind)  # together: one engine for the three, as a runtime has; alone: one each
+    sets = [[ModelDrafter(shared if together else early_engine(tiny, kind), SamplingConfig(), make_generator(None))
+             for _ in range(3)] for together in (True, False)]
     for ds in sets:
         for d, p in zip(ds, PROMPTS):
             d.reset(p, 64)
@@ -154,9 +154,9 @@ def test_model_drafters_propose_together_what_they_propose_alone(tiny, kind):
             assert (g.tokens, g.parents) == (w.tokens, w.parents) and len(g) > 1
             assert torch.allclose(torch.tensor(g.score), torch.tensor(w.score), atol=1e-4)
         for a, b in zip(*sets):
-            assert a.engine.pending == b.engine.pending and a.rows == b.rows
-            c, rows = a.engine.cache, list(range(a.engine.length + a.engine.pending))
-            ka, kb = (torch.as_tensor(x.engine.cache.k).index_select(c.axis, torch.tensor(rows)) for x in (a, b))
+            assert a.cache.pending == b.cache.pending and a.rows == b.rows
+            c, rows = a.cache, list(range(a.cache.length + a.cache.pending))
+            ka, kb = (torch.as_tensor(x.cache.k).index_select(c.axis, torch.tensor(rows)) for x in (a, b))
             assert torch.allclose(ka, kb, atol=1e-5)
         for ds in sets:  # the first child and its first child accepted, one bonus token: behind stays empty
             for d, tree, r in zip(ds, want, roots):

@@ -102,11 +102,6 @@ class LogitsOnDevice(DeviceEngine):
     def run(self, entries, hidden):
         return [x.as_subclass(OnDevice) for x in super().run(entries, hidden)]
 
-    def fresh(self):
-        out = super().fresh()
-        out.__class__ = LogitsOnDevice
-        return out
-
 
 def test_logits_stay_on_the_device_and_verification_reads_them_there(target):
     """The device engine's logits stay on its device: the engine core verifies with them there (greedy argmax on

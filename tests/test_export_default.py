@@ -39,8 +39,7 @@ def test_build_writes_manifest_and_is_idempotent(default_engines):
 def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_checkpoint, default_tokenizer):
     ids = (default_tokenizer.encode_prompt(mt_bench_prompts(1)[0]) * 4)[:64]
     engine = OnnxEngine(default_engines / "target.onnx", default_checkpoint.cfg)
-    engine.reset(80)
-    got = engine.forward(torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64))
+    got = engine.forward(engine.make_cache(80), torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64))
     with torch.no_grad():
         want = default_checkpoint.model(torch.tensor([ids]), torch.arange(64)[None], causal_mask(0, 64)).logits
     assert (got - want).abs().max() <= 1e-3

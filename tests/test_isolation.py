@@ -57,8 +57,8 @@ def ngram_request(i: int, drafter=None) -> Request:
                    drafter or NgramDrafter(4))
 
 
-def early_request(model, i: int, batcher, cls=ModelDrafter) -> Request:
-    drafter = cls(TorchEngine(model, exit_layer=1), SamplingConfig(), make_generator(None), batcher=batcher)
+def early_request(i: int, engine, cls=ModelDrafter) -> Request:
+    drafter = cls(engine, SamplingConfig(), make_generator(None))  # engine: the draft engine the drafters share
     return Request(PROMPTS[i], GenerateConfig(max_new_tokens=NEW), frozenset(),
                    SpecConfig.for_draft("early-exit", adaptive=False), drafter)
 
@@ -66,9 +66,9 @@ def early_request(model, i: int, batcher, cls=ModelDrafter) -> Request:
 def test_a_drafter_that_raises_fails_its_request_alone(model):
     """One request's n-gram drafter and one's model drafter (batched with another's: drafters.drive_each) raise;
     those two fail with their error, the three others finish with the tokens they get alone, slots come back."""
-    batcher = TorchEngine(model, exit_layer=1)
-    reqs = [ngram_request(0), ngram_request(1, FailingNgram(4)), early_request(model, 2, batcher),
-            early_request(model, 3, batcher, FailingModelDrafter), Request(PROMPTS[1], GenerateConfig(
+    early = TorchEngine(model, exit_layer=1)
+    reqs = [ngram_request(0), ngram_request(1, FailingNgram(4)), early_request(2, early),
+            early_request(3, early, FailingModelDrafter), Request(PROMPTS[1], GenerateConfig(
                 max_new_tokens=NEW), frozenset())]
     core = EngineCore(TorchEngine(model), 256, CoreConfig(slots=5, max_len=96))
     out = run_core(core, reqs)
@@ -124,13 +124,13 @@ def test_a_forward_that_keeps_raising_for_one_request_fails_it_alone(model):
 
 def test_a_draft_forward_that_keeps_raising_for_one_drafter_fails_its_request_alone(model):
     """Two model drafters batched on one draft engine (drafters.drive_each): the forwards of one's cache raise."""
-    batcher = Flaky(model, exit_layer=1)
-    reqs = [early_request(model, i, batcher) for i in (0, 2)]
+    early = Flaky(model, exit_layer=1)
+    reqs = [early_request(i, early) for i in (0, 2)]
     core = EngineCore(TorchEngine(model), 256, CoreConfig(slots=2, max_len=96))
     for r in reqs:
         core.add(r)
     core.step()  # prefilled: each drafter holds its own cache
-    batcher.poisoned.add(id(reqs[0].drafter.engine.cache))
+    early.poisoned.add(id(reqs[0].drafter.cache))
     while not core.idle:
         core.step()
     assert isinstance(reqs[0].error, Broken) and reqs[1].error is None and core.pool.in_use == 0

@@ -131,16 +131,13 @@ def test_adopted_prompt_rows_equal_running_the_prompt():
 
     m = model()
     prompt = [3, 9, 27, 17, 51, 25, 11]
-    target, own, adopted = TorchEngine(m), TorchEngine(m, exit_layer=1), TorchEngine(m, exit_layer=1)
-    for e in (target, own, adopted):
-        e.reset(16)
-    prefill(target, prompt)
-    prefill(own, prompt)
-    assert adopted.cache.adopt(target.cache, len(prompt)) and adopted.length == len(prompt)
-    assert torch.equal(forward_chain(adopted, [5, 6]), forward_chain(own, [5, 6]))
-    other = TorchEngine(random_checkpoint(tiny_config(n_kv_heads=1), seed=4).model)
-    other.reset(16)
-    fresh = TorchEngine(m)
-    fresh.reset(16)
-    assert not fresh.cache.adopt(other.cache, 0)  # another KV layout
-    assert not fresh.cache.adopt(target.cache, len(prompt) + 1) and fresh.length == 0  # more rows than it has
+    target, early = TorchEngine(m), TorchEngine(m, exit_layer=1)
+    rows, own, adopted = target.make_cache(16), early.make_cache(16), early.make_cache(16)
+    prefill(target, rows, prompt)
+    prefill(early, own, prompt)
+    assert adopted.adopt(rows, len(prompt)) and adopted.length == len(prompt)
+    assert torch.equal(forward_chain(early, adopted, [5, 6]), forward_chain(early, own, [5, 6]))
+    other = TorchEngine(random_checkpoint(tiny_config(n_kv_heads=1), seed=4).model).make_cache(16)
+    fresh = target.make_cache(16)
+    assert not fresh.adopt(other, 0)  # another KV layout
+    assert not fresh.adopt(rows, len(prompt) + 1) and fresh.length == 0  # more rows than it has

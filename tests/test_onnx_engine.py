@@ -70,13 +70,11 @@ def test_the_manifest_backend_chooses_the_engine_not_the_file_name(tiny, tmp_pat
     eng = load_engine(tmp_path, {"path": "target.plan", "backend": "onnx", "precision": "fp32", "layers": 3},
                       model.cfg)
     assert isinstance(eng, OnnxEngine)
-    eng.reset(16)
     ids = torch.tensor([[1, 2, 3]])
-    got = eng.forward(ids, torch.arange(3)[None], causal_mask(0, 3))
+    got = eng.forward(eng.make_cache(16), ids, torch.arange(3)[None], causal_mask(0, 3))
     ref = TorchEngine(model)
-    ref.reset(16)
-    torch.testing.assert_close(got, ref.forward(ids, torch.arange(3)[None], causal_mask(0, 3)), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(got, ref.forward(ref.make_cache(16), ids, torch.arange(3)[None], causal_mask(0, 3)),
+                               atol=1e-4, rtol=1e-4)
     assert engine_backend({"path": "target.plan", "precision": "fp32", "profile": {}}) == "tensorrt"
     assert engine_backend({"path": "draft_int8.onnx", "precision": "int8"}) == "onnx"
     with pytest.raises(UserError, match="backend 'vulkan'.*rebuild"):
@@ -179,35 +177,34 @@ def test_engine_interface_invariants(tiny, plain, make):
     ids = [3, 9, 27, 17, 51, 25, 11]
     with torch.no_grad():
         full = model(torch.tensor([ids + [5, 6]]), torch.arange(9)[None], causal_mask(0, 9)).logits[0]
-    engine.reset(32)
-    out = engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7))[0]
-    engine.commit()
+    c = engine.make_cache(32)
+    out = engine.forward(c, torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7))[0]
+    c.commit()
     assert (out - full[:7]).abs().max() < 1e-4
     # two sibling nodes (5 and 40, both at position 7); keeping node 0 equals having decoded 5 alone
-    engine.forward(torch.tensor([[5, 40]]), torch.tensor([[7, 7]]), torch.tensor([[[True] * 7 + [True, False],
-                                                                                    [True] * 7 + [False, True]]]))
-    engine.commit([0])
-    out = engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
-    assert (out - full[8:]).abs().max() < 1e-4 and engine.length == 8
-    engine.truncate(7)
-    out = engine.forward(torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1))[0]
+    engine.forward(c, torch.tensor([[5, 40]]), torch.tensor([[7, 7]]), torch.tensor([[[True] * 7 + [True, False],
+                                                                                       [True] * 7 + [False, True]]]))
+    c.commit([0])
+    out = engine.forward(c, torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
+    assert (out - full[8:]).abs().max() < 1e-4 and c.length == 8
+    c.truncate(7)
+    out = engine.forward(c, torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1))[0]
     assert (out - full[7:8]).abs().max() < 1e-4
-    engine.truncate(0)  # logits at asked-for rows only: the same values, the same cache rows
-    out = engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[2, 6])[0]
+    c.truncate(0)  # logits at asked-for rows only: the same values, the same cache rows
+    out = engine.forward(c, torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[2, 6])[0]
     assert out.shape == (2, model.cfg.vocab_size) and (out - full[[2, 6]]).abs().max() < 1e-4
-    engine.commit()
-    assert engine.forward(torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1), rows=[])[0].shape[0] == 0
-    engine.commit()
-    out = engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
+    c.commit()
+    assert engine.forward(c, torch.tensor([[5]]), torch.tensor([[7]]), causal_mask(7, 1), rows=[])[0].shape[0] == 0
+    c.commit()
+    out = engine.forward(c, torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0]
     assert (out - full[8:]).abs().max() < 1e-4
-    if make != "torch":  # a new cache (fresh buffers): the rows land there, not in the buffers bound before
-        old = engine.cache.k
-        engine.reset(64)
-        engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[6])
-        engine.commit()
-        assert engine.cache.k is not old and engine.cache.length == 7 and engine.cache.k.any()
+    if make != "torch":  # another cache (new buffers): the rows land there, not in the buffers bound before
+        new = engine.make_cache(64)
+        engine.forward(new, torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7), rows=[6])
+        new.commit()
+        assert new.k is not c.k and new.length == 7 and new.k.any()
         rows = (slice(None), 0, slice(None), slice(0, 7)) if engine.gqa else (slice(None), 0, slice(0, 7))
-        assert abs(engine.cache.k[rows] - old[rows]).max() < 1e-5
+        assert abs(new.k[rows] - c.k[rows]).max() < 1e-5
 
 
 @pytest.mark.parametrize("draft", ["int8", "early", "early-plain"])

@@ -64,8 +64,8 @@ def test_graphs_carry_their_quantized_ops(tiny):
 @pytest.mark.parametrize("q", QUANTS)
 def test_quantized_graph_runs_close_to_fp32(tiny, q):
     model, _, graphs = tiny
-    want = forward_chain(_ready(TorchEngine(model)), IDS)
-    got = forward_chain(_ready(OnnxEngine(graphs[q], CFG)), IDS)
+    want = forward_chain(*_ready(TorchEngine(model)), IDS)
+    got = forward_chain(*_ready(OnnxEngine(graphs[q], CFG)), IDS)
     assert got.shape == want.shape == (len(IDS), CFG.vocab_size)
     rel = ((got - want).norm() / want.norm()).item()
     # seeded and deterministic: int8 0.03, int8-dynamic 0.06, int8-static 0.16, fp8 0.16, int4 0.41 (4 bits on random
@@ -75,8 +75,7 @@ def test_quantized_graph_runs_close_to_fp32(tiny, q):
 
 
 def _ready(engine):
-    engine.reset(64)
-    return engine
+    return engine, engine.make_cache(64)
 
 
 @pytest.mark.parametrize("q", ["int8-dynamic", "int8-static", "fp8"])

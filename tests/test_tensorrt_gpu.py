@@ -39,16 +39,16 @@ def steps(engine) -> list[torch.Tensor]:
     """prefill 7 (odd: the unaligned-row path for these tiny rows), a 2-node tree, keep node 1 (the KV gather),
     roll back one."""
     ids = [3, 9, 27, 17, 51, 25, 11]
-    engine.reset(32)
-    out = [engine.forward(torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7))[0]]
-    engine.commit()
+    c = engine.make_cache(32)
+    out = [engine.forward(c, torch.tensor([ids]), torch.arange(7)[None], causal_mask(0, 7))[0]]
+    c.commit()
     tree = torch.tensor([[[True] * 7 + [True, False], [True] * 7 + [False, True]]])
-    out.append(engine.forward(torch.tensor([[5, 40]]), torch.tensor([[7, 7]]), tree)[0])
-    engine.commit([1])
-    out.append(engine.forward(torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0])
-    engine.commit()
-    engine.truncate(8)
-    out.append(engine.forward(torch.tensor([[2]]), torch.tensor([[8]]), causal_mask(8, 1))[0])
+    out.append(engine.forward(c, torch.tensor([[5, 40]]), torch.tensor([[7, 7]]), tree)[0])
+    c.commit([1])
+    out.append(engine.forward(c, torch.tensor([[6]]), torch.tensor([[8]]), causal_mask(8, 1))[0])
+    c.commit()
+    c.truncate(8)
+    out.append(engine.forward(c, torch.tensor([[2]]), torch.tensor([[8]]), causal_mask(8, 1))[0])
     return out
 
 

@@ -268,9 +268,7 @@ def near_tie(rt, prompt: str, served: str, max_tokens: int) -> float | None:
     ids = rt.tokenizer.encode_prompt(prompt)
     want = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens)).token_ids
     k = next(k for k in range(len(want)) if not served.startswith(rt.tokenizer.decode(want[:k + 1])))
-    eng = rt.engine.fresh()
-    eng.reset(len(ids) + k + 1)
-    top = torch.topk(prefill(eng, ids + want[:k]).float(), 2).values  # the target's logits there
+    top = torch.topk(prefill(rt.engine, rt.engine.make_cache(len(ids) + k + 1), ids + want[:k]).float(), 2).values  # the target's logits there
     return float(top[0] - top[1])
 
 

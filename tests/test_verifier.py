@@ -65,22 +65,22 @@ def test_verifier_pruning_stays_lossless(target, kind, adaptive, tau):
 
 def test_verifier_leaves_the_target_cache_as_it_found_it(target):
     eng = TorchEngine(target)
-    eng.reset(64)
-    prefill(eng, PROMPTS[0])
-    k_before = eng.cache.k.clone()
+    rows = eng.make_cache(64)
+    prefill(eng, rows, PROMPTS[0])
+    k_before = rows.k.clone()
     tree = DraftTree((9, 4, 5, 6), (-1, 0, 0, 1))
     v = Verifier(TorchEngine(target, exit_layer=2), argmax_head(2))
-    scored = v.score(eng.cache, [], tree)
-    assert (eng.length, eng.pending) == (len(PROMPTS[0]), 0)
-    assert torch.equal(eng.cache.k[:, :, :, :eng.length], k_before[:, :, :, :eng.length])
+    scored = v.score(rows, [], tree)
+    assert (rows.length, rows.pending) == (len(PROMPTS[0]), 0)
+    assert torch.equal(rows.k[:, :, :, :rows.length], k_before[:, :, :, :rows.length])
     assert scored.features.shape == (4, F) and scored.depth == (0, 1, 1, 2)
     assert scored.survival[3] == pytest.approx(scored.confidence[1] * scored.confidence[3])
     # the verifier's features at a node come from its logits at the node's parent, the same as running it alone
     alone = TorchEngine(target, exit_layer=2)
-    alone.reset(64)
-    prefill(alone, PROMPTS[0])
-    buf = compile_tree(tree.parents, alone.length)
-    logits = alone.forward(torch.tensor([tree.tokens]), buf.position_ids, buf.mask)[0]
+    own = alone.make_cache(64)
+    prefill(alone, own, PROMPTS[0])
+    buf = compile_tree(tree.parents, own.length)
+    logits = alone.forward(own, torch.tensor([tree.tokens]), buf.position_ids, buf.mask)[0]
     lp = torch.log_softmax(logits, -1)
     assert scored.features[1, FEATURES.index("logp")] == pytest.approx(float(lp[0, 4]), abs=1e-4)
     assert scored.features[3, FEATURES.index("logp")] == pytest.approx(float(lp[1, 6]), abs=1e-4)
@@ -228,15 +228,12 @@ def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
     forward_batch = shared.forward_batch
     shared.forward_batch = lambda seqs, *a: calls.append(len(seqs)) or forward_batch(seqs, *a)
     pool = TorchEngine(target).make_pool(3, 64)
-    engines, trees = [], [DraftTree((9, 4, 5, 6), (-1, 0, 0, 1)), DraftTree((3, 7), (-1, 0)), DraftTree((5,), (-1,))]
+    trees = [DraftTree((9, 4, 5, 6), (-1, 0, 0, 1)), DraftTree((3, 7), (-1, 0)), DraftTree((5,), (-1,))]
     for c, p in zip(pool.caches, PROMPTS):
-        e = TorchEngine(target)
-        e.cache = c
-        prefill(e, p)
-        engines.append(e)
+        prefill(TorchEngine(target), c, p)
     heads = [argmax_head(2), head({"logp": 1.0}, 0.0, 2), None]
-    jobs = [ScoreJob(Verifier(shared, h), e.cache, [], t) for h, e, t in zip(heads, engines, trees)]
-    before = [e.cache.k[:, :, :, :e.length].clone() for e in engines]
+    jobs = [ScoreJob(Verifier(shared, h), c, [], t) for h, c, t in zip(heads, pool.caches, trees)]
+    before = [c.k[:, :, :, :c.length].clone() for c in pool.caches]
     got = score_batch(jobs)
     assert calls == [3]
     for j, g, kb in zip(jobs, got, before):

@@ -16,17 +16,15 @@ Interface (the torch engine is the reference; ONNX Runtime and TensorRT engines 
   forward_batch(seqs, hidden=[])                   also appends each sequence's hidden states [n_b, k*C] after
                                                    the engine's `taps` layers (the learned draft head's features;
                                                    only engines with taps, a target built with a head)
-  reset(max_len)                                   ready for a new sequence of at most max_len positions
-  forward(input_ids [1,T], position_ids [1,T], mask [1,T,S], rows=None) -> logits [1, R, V]
-                                                   S = length + pending + T; appends T pending KV rows; R = the
-                                                   asked-for rows (None: all T)
-  commit(rows=None)                                keep pending rows (indices from `length`; None: all)
-  truncate(length)                                 roll back to `length` committed rows
-  fresh()                                          a new engine over the same weights/session, with no cache
-                                                   (a model drafter's, one per request: its own draft cache).
-                                                   The engine core keeps no engine per request: each request's
-                                                   rows are a pool slot, passed in every SeqInput
-  length, pending                                  committed rows; rows written since the last commit
+  forward(cache, input_ids [1,T], position_ids [1,T], mask [1,T,S], rows=None) -> logits [1, R, V]
+                                                   one sequence over `cache` (a Rows): S = its length + pending
+                                                   + T; appends T pending KV rows; R = the asked-for rows (None:
+                                                   all T)
+  make_cache(max_len) -> Rows                      one sequence's own buffers (a model drafter's draft cache)
+
+An engine is stateless over the caches it is given: it holds weights (or a session) and scratch buffers, never a
+sequence. Each request's rows are a pool slot, or a model drafter's own cache, passed in every SeqInput; the
+caller keeps them (`Rows.commit`, `truncate`). `prefill` and `forward_chain` run a chain on one cache.
 """
 
 from __future__ import annotations
@@ -138,10 +136,9 @@ def chain_input(cache: Rows, ids: list[int], logit_rows: tuple[int, ...] | None 
                     logit_rows)
 
 
-class CachedEngine(ABC):
-    """What every engine shares: KV row bookkeeping, delegated to its cache (a kv_cache.Rows)."""
+class Engine(ABC):
+    """What every engine shares: a model run over KV caches it is given (it keeps none)."""
 
-    cache: Rows | None = None
     # forward_batch pads every sequence to the longest ([B, T]): a batch costs B * T tokens, not their sum
     padded_batches: bool = True
     # a tree's row computes, bit for bit, what the same row computes in a chain. False (a quantized target on ONNX
@@ -154,14 +151,6 @@ class CachedEngine(ABC):
     def make_cache(self, max_len: int) -> Rows:
         """Preallocated buffers for `max_len` positions."""
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.cache is None else self.cache.pending
-
     @abstractmethod
     def make_pool(self, slots: int, max_len: int) -> KVPool:
         """One preallocated buffer pair for `slots` sequences of at most `max_len` positions."""
@@ -173,33 +162,23 @@ class CachedEngine(ABC):
         self.check_hidden(hidden)
         out = []
         for s in seqs:
-            self.cache = s.cache
-            out.append(self.forward(torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows,
+            out.append(self.forward(s.cache, torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows,
                                     hidden)[0])
         return out
+
+    @abstractmethod
+    def forward(self, cache: Rows, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
+        """One sequence over `cache`: input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits
+        [1, R, V] at `rows` (None: all T); appends T pending rows to `cache`."""
 
     def check_hidden(self, hidden: list | None) -> None:
         if hidden is not None and not self.taps:
             raise UserError("this target engine outputs no hidden states (the learned draft head's features): "
                             "rebuild the engines with a draft head (`python -m export build --head ...`)")
 
-    @abstractmethod
-    def fresh(self) -> "CachedEngine":
-        """A new engine sharing this one's weights (or session) with its own, not yet allocated, cache."""
 
-    def reset(self, max_len: int) -> None:
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = self.make_cache(max_len)
-        self.cache.truncate(0)
-
-    def commit(self, rows: list[int] | None = None) -> None:
-        self.cache.commit(rows)
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
-
-
-def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> CachedEngine:
+def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> Engine:
     """An ONNX graph on ONNX Runtime with `providers`. A quantized `target` runs no forward of one row and verifies
     chains only (row_invariance.py)."""
     from .onnx_engine import OnnxEngine
@@ -211,7 +190,7 @@ def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool
     return engine
 
 
-def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> CachedEngine:
+def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> Engine:
     """A TensorRT plan (`providers`, ONNX Runtime's, do not apply)."""
     from .trt_engine import TrtEngine
 
@@ -219,11 +198,11 @@ def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: 
 
 
 # a build's backend (its manifest entry's, manifest.engine_backend) -> (file, entry, cfg, providers, target) -> engine
-LOADERS: dict[str, Callable[..., CachedEngine]] = {"onnx": onnx_loader, "tensorrt": tensorrt_loader}
+LOADERS: dict[str, Callable[..., Engine]] = {"onnx": onnx_loader, "tensorrt": tensorrt_loader}
 
 
 def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                target: bool = False) -> CachedEngine:
+                target: bool = False) -> Engine:
     """The engine for one manifest entry ({"path", "backend", "precision", "layers", ...}) of build folder `d`, by
     the backend its manifest names (`target`: the entry is the build's target)."""
     backend = engine_backend(entry)
@@ -233,14 +212,14 @@ def load_engine(d, entry: dict, cfg, providers: tuple[str, ...] = ("CPUExecution
     return LOADERS[backend](d / entry["path"], entry, cfg, providers, target)
 
 
-def forward_chain(engine, ids: list[int], last: bool = False) -> torch.Tensor:
-    """Run tokens as one causal chain after every row the engine holds; returns logits [T, V], or [1, V] at the
-    last token only when `last` (rows stay pending)."""
-    return engine.forward_batch([chain_input(engine.cache, ids, (len(ids) - 1,) if last else None)])[0]
+def forward_chain(engine, cache: Rows, ids: list[int], last: bool = False) -> torch.Tensor:
+    """Run tokens as one causal chain after every row `cache` holds; returns logits [T, V], or [1, V] at the last
+    token only when `last` (rows stay pending)."""
+    return engine.forward_batch([chain_input(cache, ids, (len(ids) - 1,) if last else None)])[0]
 
 
-def prefill(engine, prompt_ids: list[int]) -> torch.Tensor:
-    """Run a prompt and commit it; returns the last position's logits [V]."""
-    logits = forward_chain(engine, prompt_ids, last=True)
-    engine.commit()
+def prefill(engine, cache: Rows, prompt_ids: list[int]) -> torch.Tensor:
+    """Run a prompt on `cache` and commit it; returns the last position's logits [V]."""
+    logits = forward_chain(engine, cache, prompt_ids, last=True)
+    cache.commit()
     return logits[-1]

@@ -28,7 +28,7 @@ from ..config import DEVICE_DTYPES, ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
-from . import CachedEngine, SeqInput
+from . import Engine, SeqInput
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up to one of these
 DTYPES = dict(zip(DEVICE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -89,28 +89,21 @@ class Bucket:
     graph: object | None = None
 
 
-class DeviceEngine(CachedEngine):
+class DeviceEngine(Engine):
     def __init__(self, model: Transformer, device: str = "cuda", dtype: str = "bf16", taps: tuple[int, ...] = (),
-                 graphs: bool | None = None, shared: dict | None = None) -> None:
+                 graphs: bool | None = None) -> None:
         self.device = require_device(device)
         if dtype not in DTYPES:
             raise UserError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
         self.dtype = dtype
-        if shared is None:  # the weights on the device, once: fresh() engines share them and the pools
-            m = copy.deepcopy(model).eval().to(self.device, DTYPES[dtype])
-            m.inv_freq = model.inv_freq.to(self.device)  # RoPE frequencies stay fp32
-            shared = {"model": m}
-        self.shared, self.model = shared, shared["model"]
+        self.model = copy.deepcopy(model).eval().to(self.device, DTYPES[dtype])  # the weights on the device, once
+        self.model.inv_freq = model.inv_freq.to(self.device)  # RoPE frequencies stay fp32
         self.taps = taps
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.cache: KVCache | None = None
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
-
-    def fresh(self) -> DeviceEngine:
-        return DeviceEngine(self.model, str(self.device), self.dtype, self.taps, self.graphs, self.shared)
 
     def make_pool(self, slots: int, max_len: int) -> KVPool:
         full = KVCache(self.cfg, max_len + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
@@ -135,16 +128,16 @@ class DeviceEngine(CachedEngine):
             entries.append((s.cache, s.tokens, s.positions, s.mask()[0], s.rows))  # mask [n, context + n]
         return self.run(entries, hidden)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, c: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
-        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] over the cache's rows -> logits
-        [1, R, V] at `rows` (None: all T)."""
+        """input_ids, position_ids [1, T] over cache `c` (a slot of a pool this engine made); mask [1, T, length +
+        pending + T] over its rows -> logits [1, R, V] at `rows` (None: all T)."""
         self.check_hidden(hidden)
         t = input_ids.shape[1]
-        if mask.shape[-1] > self.cache.max_len:
-            raise ValueError(f"KV cache full: {mask.shape[-1]} positions needed, {self.cache.max_len} allocated")
+        if mask.shape[-1] > c.max_len:
+            raise ValueError(f"KV cache full: {mask.shape[-1]} positions needed, {c.max_len} allocated")
         want = list(range(t)) if rows is None else list(rows)
-        entry = (self.cache, tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()), mask[0], want)
+        entry = (c, tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()), mask[0], want)
         return self.run([entry], hidden)[0][None]
 
     def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:

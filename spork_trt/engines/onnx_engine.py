@@ -18,7 +18,7 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
-from . import CachedEngine, Padded, SeqInput
+from . import Engine, Padded, SeqInput
 from .row_invariance import forward_padded, pad_to_rows
 from .staging import Staging
 
@@ -49,7 +49,7 @@ def provider_options(providers: tuple[str, ...], model: Path) -> list[dict[str, 
 SEQUENCE = -1  # kv_bindings key of the one-sequence path (stagings are keyed by their id)
 
 
-class OnnxEngine(CachedEngine):
+class OnnxEngine(Engine):
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, max_new: int = 64,
                  session=None, providers: tuple[str, ...] = ("CPUExecutionProvider",),
                  taps: tuple[int, ...] = (), min_rows: int = 1) -> None:
@@ -78,11 +78,12 @@ class OnnxEngine(CachedEngine):
                             "entry says: rebuild the engines with `python -m export build`")
         self.min_rows = min_rows  # 2: no forward runs the one-row kernels (row_invariance.py); 1: as asked
         self.max_new = max_new  # most new tokens per forward (logits buffer rows)
-        self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] numpy buffers (GQA: [L, 1, Hkv, Smax, D])
         self.logits = np.zeros((max_new, cfg.vocab_size), dtype=np.float32)  # [Tmax, V]
         self.scratch: dict[str, np.ndarray] = {}  # flat buffers of batched forwards, kept between them
-        # past rows of batched forwards (two: the step's tree batch and its prefill batch keep their own)
-        self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim, bnsh=self.gqa) for _ in range(2)]
+        # past rows of batched forwards, each used by the batch it overlaps most: three, so that the batches that
+        # follow the same requests step after step keep their own (the step's tree batch and its prefill batch;
+        # an early-exit engine's scoring batch and its drafting depths)
+        self.stagings = [Staging(self.n_layers, cfg.n_kv_heads, cfg.head_dim, bnsh=self.gqa) for _ in range(3)]
         # GQA: IO bindings with every layer's KV buffers bound (about 120 bindings, ~0.5 ms a forward), kept while
         # the buffers stay: one per staging (its buffer, batch size) and one for the one-sequence path (the cache
         # it last ran): a forward rebinds only its token inputs and outputs. key -> (buffers, batch size, binding)
@@ -100,10 +101,6 @@ class OnnxEngine(CachedEngine):
     def padded_batches(self) -> bool:
         """The GQA graph packs a batch's tokens: it costs their sum."""
         return not self.gqa
-
-    def fresh(self) -> OnnxEngine:
-        return OnnxEngine(Path(), self._cfg, self.n_layers, self.max_new, session=self.session, taps=self.taps,
-                          min_rows=self.min_rows)
 
     def make_cache(self, max_len: int) -> Rows:
         return self.make_pool(1, max_len).caches[0]
@@ -223,13 +220,11 @@ class OnnxEngine(CachedEngine):
             buf = self.scratch[name] = np.zeros(max(n, 1), np.float32)
         return buf[:n].reshape(shape)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, c: Rows, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
-        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
-        all T)."""
+        """input_ids, position_ids [1, T] over cache `c` (k, v: [L, 1, Smax, Hkv, D] numpy buffers; GQA: [L, 1, Hkv,
+        Smax, D]); mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None: all T)."""
         t = input_ids.shape[1]
-        c = self.cache
-        assert c is not None, "call reset() first"
         past = c.length + c.pending
         assert input_ids.shape[0] == 1, "the ONNX Runtime engine runs batch 1 per sequence"
         assert mask.shape[-1] == past + t, (mask.shape, past)

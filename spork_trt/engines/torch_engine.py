@@ -6,22 +6,18 @@ import torch
 from ..config import ModelConfig
 from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
-from . import CachedEngine, Padded, SeqInput
+from . import Engine, Padded, SeqInput
 
 
-class TorchEngine(CachedEngine):
+class TorchEngine(Engine):
     def __init__(self, model: Transformer, exit_layer: int | None = None, taps: tuple[int, ...] = ()) -> None:
         self.model = model.eval()
         self.exit_layer = exit_layer  # run only the first N layers (early-exit drafting)
         self.taps = taps  # hidden states forward_batch can return (the learned draft head's features)
-        self.cache: KVCache | None = None
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
-
-    def fresh(self) -> TorchEngine:
-        return TorchEngine(self.model, self.exit_layer, self.taps)
 
     def make_cache(self, max_len: int) -> KVCache:
         return KVCache(self.cfg, max_len, n_layers=self.exit_layer)
@@ -31,12 +27,10 @@ class TorchEngine(CachedEngine):
         return KVPool([KVCache.over(pool.k[:, s:s + 1], pool.v[:, s:s + 1]) for s in range(slots)])
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward(self, c: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
-        """input_ids, position_ids [B, T]; mask [B, T, length + pending + T] -> logits [B, T, V], or [1, R, V] at
-        `rows` (flat indices b * T + t)."""
-        c = self.cache
-        assert c is not None, "call reset() first"
+        """input_ids, position_ids [B, T] over cache `c`; mask [B, T, length + pending + T] -> logits [B, T, V], or
+        [1, R, V] at `rows` (flat indices b * T + t)."""
         assert mask.shape[-1] == c.length + c.pending + input_ids.shape[1], (mask.shape, c.length, c.pending)
         at = None if rows is None else torch.tensor(rows, dtype=torch.long)
         out = self.model(input_ids, position_ids, mask, c, exit_layer=self.exit_layer, logit_rows=at,

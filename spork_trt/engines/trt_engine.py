@@ -22,7 +22,7 @@ from .. import io_spec
 from ..config import ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVPool, Rows
-from . import CachedEngine
+from . import Engine, SeqInput
 
 MIN_MAJOR = 10  # name-based tensor API, INT64 I/O, no implicit batch
 REBUILD = "python -m export build --backend tensorrt --force"
@@ -94,7 +94,7 @@ class TrtPlan:
                    device=torch.device("cuda", torch.cuda.current_device()))
 
 
-class TrtEngine(CachedEngine):
+class TrtEngine(Engine):
     padded_batches = False  # a batch runs sequence by sequence: it costs the sum of its sequences
     def __init__(self, path: Path, cfg: ModelConfig, n_layers: int | None = None, plan: TrtPlan | None = None) -> None:
         self._cfg = cfg
@@ -103,15 +103,11 @@ class TrtEngine(CachedEngine):
         self.names = io_spec.kv_names(self.n_layers)
         self.context = self.plan.engine.create_execution_context()
         self.stream = torch.cuda.Stream(self.plan.device)
-        self.cache: Rows | None = None  # k, v: [L, 1, Smax, Hkv, D] CUDA buffers
         self.scratch: dict[str, torch.Tensor] = {}  # flat device buffers kept between forwards, grown on demand
 
     @property
     def cfg(self) -> ModelConfig:
         return self._cfg
-
-    def fresh(self) -> TrtEngine:
-        return TrtEngine(Path(), self._cfg, self.n_layers, plan=self.plan)
 
     def make_cache(self, max_len: int) -> Rows:
         if max_len > self.plan.max_total:
@@ -127,18 +123,24 @@ class TrtEngine(CachedEngine):
 
     def make_pool(self, slots: int, max_len: int) -> KVPool:
         """One buffer pair per slot, all allocated now (binding addresses by arithmetic wants each slot's layers at
-        a fixed stride); batches run sequence by sequence (CachedEngine.forward_batch): unverified, no GPU here."""
+        a fixed stride); unverified, no GPU here."""
         return KVPool([self.make_cache(max_len) for _ in range(slots)])
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def forward_batch(self, seqs: list[SeqInput], hidden: list | None = None) -> list[torch.Tensor]:
+        """A ragged batch, one execution per sequence on its own cache (the plan's profile is batch 1: its KV inputs
+        are each sequence's rows bound in place by address), all on this engine's stream. Logits [r_b, V] each."""
+        self.check_hidden(hidden)  # plans are built without the draft head's hidden-state output
+        return [self.forward(s.cache, torch.tensor([s.tokens]), torch.tensor([s.positions]), s.mask(), s.rows)[0]
+                for s in seqs]
+
+    def forward(self, c: Rows, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 rows: list[int] | None = None, hidden: list | None = None) -> torch.Tensor:
-        """input_ids, position_ids [1, T]; mask [1, T, length + pending + T] -> logits [1, R, V] at `rows` (None:
-        all T; CPU, float32). More new tokens than the plan takes (a long prompt) run as consecutive chunks: exact,
-        since no mask row attends to a later new position (causal and tree masks put parents before children)."""
+        """input_ids, position_ids [1, T] over cache `c` (k, v: [L, 1, Smax, Hkv, D] CUDA buffers); mask [1, T,
+        length + pending + T] -> logits [1, R, V] at `rows` (None: all T; CPU, float32). More new tokens than the
+        plan takes (a long prompt) run as consecutive chunks: exact, since no mask row attends to a later new
+        position (causal and tree masks put parents before children)."""
         self.check_hidden(hidden)  # plans are built without the draft head's hidden-state output
         t = input_ids.shape[1]
-        c = self.cache
-        assert c is not None, "call reset() first"
         assert input_ids.shape[0] == 1, "the TensorRT engine runs batch 1 per sequence"
         past = c.length + c.pending
         assert mask.shape[-1] == past + t, (mask.shape, past)
@@ -150,15 +152,15 @@ class TrtEngine(CachedEngine):
         for a in range(0, t, self.plan.max_new):
             b = min(a + self.plan.max_new, t)
             assert not mask[:, a:b, past + b:].any(), "a new token attends to a later one"
-            chunks.append(self._run(input_ids[:, a:b], position_ids[:, a:b], mask[:, a:b, :past + b],
+            chunks.append(self._run(c, input_ids[:, a:b], position_ids[:, a:b], mask[:, a:b, :past + b],
                                     [r - a for r in want if a <= r < b]))
         return torch.cat(chunks, dim=0)[None]  # [1, R, V]
 
-    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def _run(self, c: Rows, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
              rows: list[int]) -> torch.Tensor:
-        """One execution: input_ids, position_ids [1, T]; mask [1, T, S] with T <= max_new -> logits [R, V] at
-        `rows` (R = len(rows); row 0 stands in for none, its logits dropped)."""
-        c, dt = self.cache, self.plan.dtypes
+        """One execution over cache `c`: input_ids, position_ids [1, T]; mask [1, T, S] with T <= max_new -> logits
+        [R, V] at `rows` (R = len(rows); row 0 stands in for none, its logits dropped)."""
+        dt = self.plan.dtypes
         t, s = mask.shape[1], mask.shape[2]
         past = s - t
         assert past == c.length + c.pending, (past, c.length, c.pending)
