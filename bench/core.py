@@ -134,12 +134,12 @@ class Run:
 
 def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: GenerateConfig, spec) -> Run:
     engine = TimedEngine(rt.engine)
-    reqs = [rt.request(p, cfg, mode, spec) for p in ids]
+    subs = [rt.request(p, cfg, mode, spec) for p in ids]
     max_len = max(size_request(len(p), cfg.max_new_tokens, spec, rt.cfg.max_seq_len).room for p in ids)
     t = time.perf_counter()
-    for _ in run_many(engine, reqs, slots=clients, max_len=max_len):
-        pass
+    done = {r.sub: r for r in run_many(engine, subs, slots=clients, max_len=max_len)}
     wall = time.perf_counter() - t
+    reqs = [done[s] for s in subs]
     steps = [f for f in engine.log if not f.prefill]
     texts = [r.result().token_ids for r in reqs]
     return Run(clients, mode, rnd, sum(map(len, texts)), wall, engine.log,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.request import Request
+from spork_trt.request import Submission
 from spork_trt.datastore import Datastore
 from spork_trt.draft_kinds import NGRAM, STORE
 from spork_trt.drafters import NgramDrafter, StoreDrafter
@@ -131,14 +131,14 @@ def main(a) -> int:
                               "mismatches": sum(x != y for x, y in zip(r["outputs"], plain["outputs"]))}
 
     stage(f"batched: {len(prompts)} requests on {a.batch} slots")
-    reqs = [Request(p, cfg, eos) for p in prompts]
+    subs = [Submission(p, cfg, eos) for p in prompts]
     t = time.perf_counter()
-    done = list(run_many(low, reqs, a.batch, max(map(len, prompts)) + a.max_new_tokens + 32))
+    done = list(run_many(low, subs, a.batch, max(map(len, prompts)) + a.max_new_tokens + 32))
     s = time.perf_counter() - t
     tokens = sum(len(r.result().token_ids) for r in done)
     res["batched"] = {"slots": a.batch, "tokens": tokens, "seconds": round(s, 2), "tokens_per_s": round(tokens / s, 1),
                       "x_batch_1": round(tokens / s / plain["tokens_per_s"], 2),
-                      "identical_to_batch_1": sum(r.result().token_ids == plain["outputs"][reqs.index(r)]
+                      "identical_to_batch_1": sum(r.result().token_ids == plain["outputs"][subs.index(r.sub)]
                                                   for r in done)}
     atomic.write_text(out / "gpu_check.json", json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))

@@ -6,12 +6,13 @@ target forward verifies; then per request: verify, commit, stream (into its outb
 prefilled in chunks that ride in that same forward: one token budget (`step_tokens`) holds every request's root,
 then the joining prompts' chunks, then the allotted nodes, so a long prompt never stalls the others and a step
 pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward).
-Requests join and leave between steps; a cancelled one leaves at the next step and frees its slot (request.py: a
-request's state). `generate` (generate.py) is this core with a batch of one: one code path for the CLI, the bench
-and the server.
+Requests join and leave between steps; a cancelled one leaves at the next step and frees its slot. `generate`
+(generate.py) is this core with a batch of one: one code path for the CLI, the bench and the server.
 
-The core never calls back into its caller: a request's cancellation is a field the core reads; its new tokens,
-stats and result are fields the caller reads after each step.
+The caller submits a frozen `Submission` (`add`) and gets back the `Request` the core keeps of it (request.py). The
+core never calls back into its caller: the request's cancellation is the one field the caller sets and the core
+reads; its new tokens, stats and result are fields the caller reads after each step (`step` returns the requests
+that finished in it).
 
 A request fails alone: whatever raises in the work of one request (its proposal, scoring, tree, verification,
 commit, prefill) fails that request (`error`, the detail logged under its `id`) and the others go on in the same
@@ -40,8 +41,9 @@ from .kv_cache import KVPool
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
+from .stats import Stats
 from .stopping import StopState
-from .request import Request, Verified, emit, wants_hidden
+from .request import Request, Submission, Verified, emit, wants_hidden
 from .tree import DraftTree, compile_tree
 from .verifier import Scored, ScoreJob, gate_path, score_batch
 from .verify import Verdict, verify_greedy, verify_sampling
@@ -118,18 +120,19 @@ class EngineCore:
         # expectations match
         self.odds: dict[str, dict] = {}
 
-    def add(self, r: Request) -> Request:
-        """Queue a request (validated here: bad input raises UserError, a full queue QueueFull)."""
-        size = size_request(len(r.prompt_ids), r.cfg.max_new_tokens, r.spec, self.context, self.pool.max_len)
-        r.room = size.room
+    def add(self, sub: Submission, stats: Stats | None = None) -> Request:
+        """Queue a submission (validated here: bad input raises UserError, a full queue QueueFull); returns the
+        core's state of it, the Request the caller reads after each step and may cancel. `stats`, when given, is
+        the one the request fills in place (a caller reading progress from it); else a new one."""
+        size = size_request(len(sub.prompt_ids), sub.cfg.max_new_tokens, sub.spec, self.context, self.pool.max_len)
         if len(self.waiting) >= self.cfg.max_queue + len(self.pool.free):  # free slots take them at the next step
             raise QueueFull(f"all {self.pool.slots} slots are in use and {self.cfg.max_queue} requests wait for one "
                             f"(max_queue): retry later")
-        r.stop = StopState(r.eos_ids, size.max_new, r.cfg.stop_strings, r.decode)
-        r.sched = Scheduler(r.spec, greedy=r.cfg.greedy, costs=self.costs,
-                            odds=self.odds.setdefault(r.spec.draft, {}))
-        r.gen = make_generator(r.cfg.sampling.seed)
-        r.t0 = time.perf_counter()
+        r = Request(sub, stats=Stats() if stats is None else stats, room=size.room, t0=time.perf_counter(),
+                    stop=StopState(sub.eos_ids, size.max_new, sub.cfg.stop_strings, sub.decode),
+                    sched=Scheduler(sub.spec, greedy=sub.cfg.greedy, costs=self.costs,
+                                    odds=self.odds.setdefault(sub.spec.draft, {})),
+                    gen=make_generator(sub.cfg.sampling.seed))
         self.waiting.append(r)
         return r
 
@@ -143,7 +146,7 @@ class EngineCore:
         self.admit()
         decoding = [r for r in self.active if r.root is not None]
         # the switch decides (and learns from) only steps with a greedy request that would follow it
-        switched = any(r.drafter is not None and r.cfg.greedy for r in decoding)
+        switched = any(r.sub.drafter is not None and r.sub.cfg.greedy for r in decoding)
         t0, drafting = time.perf_counter(), switched and self.switch.propose(len(decoding))
         drafts = self.propose(decoding, drafting)  # a request whose proposal raised is not among them: it failed
         chunks = self.chunks([r for r in self.active if r.root is None], self.cfg.step_tokens - len(drafts))
@@ -163,7 +166,7 @@ class EngineCore:
         with `e` and leaves, slot freed; the waiting ones stay. Returns the ones that left."""
         failed = list(self.active)
         log.error("a step failed outside any one request's work: its requests %s fail",
-                  ", ".join(r.id for r in failed) or "(none)")
+                  ", ".join(r.sub.id for r in failed) or "(none)")
         for r in failed:
             r.error = e
         return self.retire(failed)
@@ -180,7 +183,7 @@ class EngineCore:
 
     def fail(self, r: Request, e: Exception) -> None:
         """Fail one request alone: it leaves at the end of this step; the detail goes to the log, under its id."""
-        log.error("request %s failed; it leaves the batch, the others go on", r.id, exc_info=e)
+        log.error("request %s failed; it leaves the batch, the others go on", r.sub.id, exc_info=e)
         r.error = e
 
     def forward(self, trees: dict[Request, SeqInput], chunks: dict[Request, SeqInput]) -> Forward:
@@ -225,7 +228,7 @@ class EngineCore:
         prefills only the rest (a drafter fed the target's hidden states needs every row's: it prefills all)."""
         while self.waiting and self.pool.free:
             r = self.waiting[0]
-            taken = self.prefixes.take(r.prompt_ids, reuse=self.cfg.prefix_reuse and not wants_hidden(r))
+            taken = self.prefixes.take(r.sub.prompt_ids, reuse=self.cfg.prefix_reuse and not wants_hidden(r))
             self.waiting.popleft()
             r.slot, r.cache = taken.slot, self.pool.caches[taken.slot]
             r.prefilled = r.stats.cached_tokens = taken.reused
@@ -239,7 +242,7 @@ class EngineCore:
             else:
                 self.active.remove(r)
                 # what the target ran, kept for a later prompt that starts with it (nothing of a failed request)
-                self.prefixes.give_back(r.slot, [] if r.error else [*r.prompt_ids, *r.stop.tokens])
+                self.prefixes.give_back(r.slot, [] if r.error else [*r.sub.prompt_ids, *r.stop.tokens])
                 r.slot, r.cache = None, None
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \
@@ -258,7 +261,7 @@ class EngineCore:
         groups: dict[int, list[Request]] = {}  # by verifier engine (a runtime's requests share one)
         for r, p in plans.items():
             if p.scoring:
-                groups.setdefault(id(r.verifier.engine), []).append(r)
+                groups.setdefault(id(r.sub.verifier.engine), []).append(r)
         t = time.perf_counter()
         for group in groups.values():
             scores.update(self.score(group, plans))
@@ -270,8 +273,8 @@ class EngineCore:
         """The requests' trees scored in ONE verifier forward; if it raises, each alone (its rows dropped first),
         so only a request whose own scoring raises fails."""
         def job(r: Request) -> ScoreJob:
-            return ScoreJob(r.verifier, r.cache, r.behind, plans[r].proposed, r.sched.recent,
-                            [*r.prompt_ids, *r.stop.tokens], len(r.prompt_ids))
+            return ScoreJob(r.sub.verifier, r.cache, r.behind, plans[r].proposed, r.sched.recent,
+                            [*r.sub.prompt_ids, *r.stop.tokens], len(r.sub.prompt_ids))
 
         try:
             return dict(zip(reqs, score_batch([job(r) for r in reqs])))
@@ -285,16 +288,16 @@ class EngineCore:
         """Each request's proposal. Model drafters (`proposing`) run together: each draft depth of every request is
         ONE batched forward of the draft engine (drafters.drive_each; its time shared among them); the others
         propose one by one. A request whose proposal raises fails and is left out."""
-        speculate = self.each(reqs, lambda r: (drafting or not r.cfg.greedy) and r.drafter is not None
+        speculate = self.each(reqs, lambda r: (drafting or not r.sub.cfg.greedy) and r.sub.drafter is not None
                               and r.sched.speculate())
         trees, seconds = {}, {}
         for r, sp in speculate.items():
-            if sp and not r.drafter.batched:
+            if sp and not r.sub.drafter.batched:
                 t = time.perf_counter()
-                trees.update(self.each([r], lambda r: r.drafter.propose(r.root, r.sched.shape())))
+                trees.update(self.each([r], lambda r: r.sub.drafter.propose(r.root, r.sched.shape())))
                 seconds[r] = time.perf_counter() - t
-        batched = list(self.each([r for r, sp in speculate.items() if sp and r.drafter.batched],
-                                 lambda r: r.drafter.proposing(r.root, r.sched.shape())).items())
+        batched = list(self.each([r for r, sp in speculate.items() if sp and r.sub.drafter.batched],
+                                 lambda r: r.sub.drafter.proposing(r.root, r.sched.shape())).items())
         t = time.perf_counter()
         for (r, _), tree in zip(batched, drive_each([p for _, p in batched])):
             if isinstance(tree, Exception):
@@ -306,13 +309,13 @@ class EngineCore:
                          lambda r: self.plan_of(r, speculate[r], trees.get(r), seconds.get(r, 0.0)))
 
     def plan_of(self, r: Request, speculate: bool, tree: DraftTree | None, seconds: float) -> Plan:
-        scoring = speculate and (r.cfg.greedy or r.spec.gate_tau > 0) and r.sched.verifier.use(r.can_score)
+        scoring = speculate and (r.sub.cfg.greedy or r.sub.spec.gate_tau > 0) and r.sched.verifier.use(r.can_score)
         return Plan(tree if speculate else DraftTree.root_only(r.root), speculate, scoring, seconds)
 
     def draft(self, r: Request, p: Plan, scored: Scored | None, score_s: float) -> Draft:
-        gated = gate_path(p.proposed, scored, r.spec.gate_tau) if r.spec.gate_tau > 0 and scored else []
+        gated = gate_path(p.proposed, scored, r.sub.spec.gate_tau) if r.sub.spec.gate_tau > 0 and scored else []
         survival = None if scored is None else scored.survival
-        cands = None if gated else r.sched.candidates(p.proposed, r.cfg.greedy, survival)
+        cands = None if gated else r.sched.candidates(p.proposed, r.sub.cfg.greedy, survival)
         return Draft(p.proposed, scored, gated, cands, p.speculate, p.propose_s, score_s if scored else 0.0)
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
@@ -336,18 +339,18 @@ class EngineCore:
             r.behind += [tree.tokens[i] for i in verdict.path]
         else:
             b, keep, tree = len(r.behind), work.keep, work.tree
-            verdict = verify(tree, work.children, logits[b:], r.cfg, r.gen)
+            verdict = verify(tree, work.children, logits[b:], r.sub.cfg, r.gen)
             kept_rows = list(range(b)) + [b + i for i in verdict.path]
             r.cache.commit(kept_rows)
             if hidden is not None:
-                r.drafter.observe(hidden[kept_rows])  # [committed rows, k*C]
+                r.sub.drafter.observe(hidden[kept_rows])  # [committed rows, k*C]
             r.behind = []
-        if r.drafter is not None:
-            r.drafter.commit(d.proposed, verdict.renumber(keep))
+        if r.sub.drafter is not None:
+            r.sub.drafter.commit(d.proposed, verdict.renumber(keep))
         verify_s += time.perf_counter() - t
         r.stats.add_times(d.propose_s, d.score_s, verify_s, d.scored is not None)
         if not d.gated:
-            if r.record:
+            if r.sub.record:
                 r.verified.append(Verified(d.proposed, d.scored, verdict.renumber(keep)))
             r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
                            d.score_s if d.scored is not None else None, d.proposed)
@@ -361,11 +364,11 @@ class EngineCore:
         least one token): they ride in the step's forward; a prompt's last chunk asks for its last row's logits."""
         left, chunks = min(self.cfg.prefill_tokens, max(room, 1)), {}
         for r in joining:
-            n = min(len(r.prompt_ids) - r.prefilled, left)
+            n = min(len(r.sub.prompt_ids) - r.prefilled, left)
             if n <= 0:
                 break
-            last = r.prefilled + n == len(r.prompt_ids)
-            chunks |= self.each([r], lambda r: chain_input(r.cache, r.prompt_ids[r.prefilled:r.prefilled + n],
+            last = r.prefilled + n == len(r.sub.prompt_ids)
+            chunks |= self.each([r], lambda r: chain_input(r.cache, r.sub.prompt_ids[r.prefilled:r.prefilled + n],
                                                            (n - 1,) if last else ()))
             left -= n
         return chunks
@@ -386,13 +389,13 @@ class EngineCore:
         them): keep its rows; after the last chunk, the first token."""
         r.cache.commit()
         if hidden is not None:
-            r.drafter.observe(hidden)  # the chunk's [n, k*C]: its reset takes the whole prompt's
+            r.sub.drafter.observe(hidden)  # the chunk's [n, k*C]: its reset takes the whole prompt's
         r.prefilled += n
-        if r.prefilled < len(r.prompt_ids):
+        if r.prefilled < len(r.sub.prompt_ids):
             return
-        r.root = pick(logits[-1], r.cfg.sampling, r.gen)
-        if r.drafter is not None:
-            r.drafter.reset(r.prompt_ids, r.room + r.spec.tree_depth, r.cache)
+        r.root = pick(logits[-1], r.sub.cfg.sampling, r.gen)
+        if r.sub.drafter is not None:
+            r.sub.drafter.reset(r.sub.prompt_ids, r.room + r.sub.spec.tree_depth, r.cache)
         r.stats.prefill_s = time.perf_counter() - r.t0
         emit(r, [r.root], draft=0, accepted=0)
 

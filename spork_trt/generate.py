@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from .config import GenerateConfig, SpecConfig
 from .admission import size_request
 from .core import CoreConfig, EngineCore
-from .request import GenerationResult, Request
+from .request import GenerationResult, Request, Submission
 from .stats import Stats
 from .verifier import Verifier
 
@@ -23,17 +23,19 @@ def generate(target, prompt_ids: list[int], cfg: GenerateConfig, eos_ids: frozen
              verifier: Verifier | None = None, record: bool = False) -> GenerationResult:
     """`stats`, when given, is filled in place as the loop runs (a streaming caller reads progress from it).
     `verifier` scores draft nodes (pruning; gate mode needs it); `record`: the result keeps every verified step."""
-    r = Request(list(prompt_ids), cfg, eos_ids, spec, drafter, verifier, decode, record, stats=stats or Stats())
-    return run_alone(target, r, on_tokens)
+    sub = Submission(prompt_ids, cfg, eos_ids, spec, drafter, verifier, decode, record)
+    return run_alone(target, sub, on_tokens, stats)
 
 
-def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> GenerationResult:
-    """Run one request on a one-slot core sized for it; stream its tokens to `on_tokens` after each step. The
-    prompt runs in chunks of CoreConfig.prefill_tokens, as in a batch: logits of at most that many rows exist."""
+def run_alone(target, sub: Submission, on_tokens: OnTokens | None = None,
+              stats: Stats | None = None) -> GenerationResult:
+    """Run one request on a one-slot core sized for it; stream its tokens to `on_tokens` after each step (`stats`,
+    when given, filled in place). The prompt runs in chunks of CoreConfig.prefill_tokens, as in a batch: logits of
+    at most that many rows exist."""
     context = target.cfg.max_seq_len
-    max_len = size_request(len(r.prompt_ids), r.cfg.max_new_tokens, r.spec, context).room
+    max_len = size_request(len(sub.prompt_ids), sub.cfg.max_new_tokens, sub.spec, context).room
     core = EngineCore(target, context, CoreConfig(slots=1, max_len=max_len))
-    core.add(r)
+    r = core.add(sub, stats)
     while not r.finished:
         core.step()
         new = r.take()
@@ -44,19 +46,20 @@ def run_alone(target, r: Request, on_tokens: OnTokens | None = None) -> Generati
     return r.result()
 
 
-def run_many(target, requests: Iterable[Request], slots: int, max_len: int) -> Iterator[Request]:
-    """Run requests on one core, `slots` at a time (continuous batching: a finished request's slot takes the next at
-    once); yields each request when it finishes, in finishing order. Requests are taken from `requests` lazily."""
+def run_many(target, subs: Iterable[Submission], slots: int, max_len: int) -> Iterator[Request]:
+    """Run submissions on one core, `slots` at a time (continuous batching: a finished request's slot takes the next
+    at once); yields each one's Request when it finishes (its `sub` the submission), in finishing order. Submissions
+    are taken from `subs` lazily."""
     core = EngineCore(target, target.cfg.max_seq_len, CoreConfig(slots=slots, max_len=max_len, max_queue=slots))
-    pending = iter(requests)
+    pending = iter(subs)
     exhausted = False
     while True:
         while not exhausted and len(core.waiting) < slots:
-            r = next(pending, None)
-            if r is None:
+            sub = next(pending, None)
+            if sub is None:
                 exhausted = True
             else:
-                core.add(r)
+                core.add(sub)
         if core.idle:
             return
         for r in core.step():

@@ -1,5 +1,9 @@
-"""One request's state as the engine core keeps it, and its result: what the caller sets, what the core owns, and
-the stop rule applied to what a step commits."""
+"""One request: the caller's part (`Submission`, frozen), the core's state of it (`Request`, what EngineCore.add
+returns), its result, and the stop rule applied to what a step commits.
+
+The caller builds a Submission and hands it to EngineCore.add, which returns the Request the core steps. The
+caller keeps that Request to read from it after each step (`take()`, `finished`, `result()`, `stats`) and sets one
+field of it, `cancelled`; the core never calls back into the caller."""
 from __future__ import annotations
 
 import uuid
@@ -36,21 +40,34 @@ class GenerationResult:
     verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
 
 
-@dataclass(eq=False)
-class Request:
-    """One request's whole state. The caller sets the first block (and `cancelled`); the core owns the rest."""
+@dataclass(frozen=True, eq=False)
+class Submission:
+    """The caller's part of a request: what it asks for, never changed after submission (EngineCore.add builds the
+    core's state of it, a Request). Compared by identity: two equal submissions are two requests."""
 
-    prompt_ids: list[int]  # [n]
+    prompt_ids: tuple[int, ...]  # [n]
     cfg: GenerateConfig
     eos_ids: frozenset[int] = frozenset()
     spec: SpecConfig = SpecConfig()
-    drafter: object | None = None  # drafters.Drafter; None: plain decoding
+    drafter: object | None = None  # drafters.Drafter, this request's own (the core steps it); None: plain decoding
     verifier: Verifier | None = None  # scores draft nodes (pruning; gate mode needs it)
-    decode: Callable[[list[int]], str] | None = None  # token ids -> text: stop strings and the result's text
-    record: bool = False  # keep every verified step in `verified` (calibration)
-    cancelled: bool = False  # set by the caller: the request leaves at the next step, its slot freed
+    # the tokenizer's detokenizer, a pure function of token ids -> text: the stop rule's stop strings and the
+    # result's text read it (data the core applies, not a callback into the caller); None: no text
+    decode: Callable[[list[int]], str] | None = None
+    record: bool = False  # keep every verified step in the Request's `verified` (calibration)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
-    # ---- the core's
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # a caller's list, copied: never shared
+
+
+@dataclass(eq=False)
+class Request:
+    """The core's state of one submitted request (EngineCore.add builds it). The caller reads it after each step
+    (`take()`, `finished`, `result()`, `stats`) and sets `cancelled`; the core owns everything else."""
+
+    sub: Submission  # what the caller asked for
+    cancelled: bool = False  # the one field the caller sets: the request leaves at the next step, its slot freed
     stats: Stats = field(default_factory=Stats)  # filled in as the request runs
     outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
     verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
@@ -74,18 +91,19 @@ class Request:
 
     @property
     def can_score(self) -> bool:
-        return self.verifier is not None and (self.verifier.head is not None or self.spec.verifier == "on")
+        v = self.sub.verifier
+        return v is not None and (v.head is not None or self.sub.spec.verifier == "on")
 
     def result(self) -> GenerationResult:
         reason = "error" if self.error is not None else \
             "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
-        text = self.stop.text() if self.decode and self.stop.reason else None
+        text = self.stop.text() if self.sub.decode and self.stop.reason else None
         return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
 
 
 def wants_hidden(r: Request) -> bool:
     """The request's drafter reads the target's hidden states (the learned draft head)."""
-    return r.drafter is not None and r.drafter.wants_hidden
+    return r.sub.drafter is not None and r.sub.drafter.wants_hidden
 
 
 def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
-from .request import Request
+from .request import Submission
 from .datastore import Datastore
 from .draft_kinds import (
     DATASTORE,
@@ -209,22 +209,23 @@ class Runtime:
         return DRAFTERS[draft.kind](self, draft, sampling)
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                spec: SpecConfig = SpecConfig(), stats: Stats | None = None) -> Request:
-        """One request for the engine core, with its own drafter and verifier (over the shared weights)."""
+                spec: SpecConfig = SpecConfig()) -> Submission:
+        """One request's submission for the engine core, with its own drafter and verifier (over the shared
+        weights) and the tokenizer's decode."""
         assert mode in MODES, mode
         spec = self.resolve(spec)
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
         check_verifier(mode, spec, cfg, head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
-        return Request(list(prompt_ids), cfg, self.tokenizer.eos_ids, spec, drafter,
-                       self.verifier(head) if scoring else None, self.tokenizer.decode, stats=stats or Stats())
+        return Submission(prompt_ids, cfg, self.tokenizer.eos_ids, spec, drafter,
+                          self.verifier(head) if scoring else None, self.tokenizer.decode)
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
                  stats: Stats | None = None) -> GenerationResult:
-        """One request alone (the engine core with a batch of one)."""
-        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec, stats), on_tokens)
+        """One request alone (the engine core with a batch of one); `stats`, when given, filled in place."""
+        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec), on_tokens, stats)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:

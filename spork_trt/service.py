@@ -20,7 +20,7 @@ from .core import CoreConfig, EngineCore
 from .cost_model import ema
 from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
 from .errors import InternalError, QueueFull, UserError
-from .request import Request
+from .request import Request, Submission
 from .runtime import Runtime
 from .serve_request import Inputs, Limits, parse_request
 from .stats import Stats
@@ -68,10 +68,11 @@ class Chunk:
 
 @dataclass(eq=False)
 class Ticket:
-    """One served request: the core's request plus how to answer it. `send` gets chunks, `fail` an exception (the
-    final answer), `close` ends a cancelled stream; `cancelled` is polled once per step."""
+    """One served request: its submission, the core's request once the loop added it, and how to answer it. `send`
+    gets chunks, `fail` an exception (the final answer), `close` ends a cancelled stream; `cancelled` is polled once
+    per step."""
 
-    request: Request
+    sub: Submission
     stream: bool
     send: Callable[[Chunk], None]
     fail: Callable[[BaseException], None]
@@ -81,6 +82,7 @@ class Ticket:
     expired: bool = False  # the deadline passed: it leaves the core, answered with what it generated
     generated: list[int] = field(default_factory=list)  # every token sent or to send
     sent: int = 0  # tokens the previous responses carried
+    request: Request | None = None  # the core's state of `sub` (EngineCore.add, on the loop's thread); None before
 
     def chunk(self, final: bool, stats: Stats, stop_reason: str) -> Chunk | None:
         """The next response: the tokens since the last one, after DETOKENIZE_CONTEXT already sent (the text they
@@ -91,7 +93,7 @@ class Ticket:
             return None
         start = max(0, self.sent - DETOKENIZE_CONTEXT)
         c = Chunk(self.generated[start:end], self.sent - start, final, stats, stop_reason,
-                  len(self.request.prompt_ids), self.request.cfg.stop_strings if final else ())
+                  len(self.sub.prompt_ids), self.sub.cfg.stop_strings if final else ())
         self.sent = end
         return c
 
@@ -112,7 +114,8 @@ def deliver(t: Ticket, fn: Callable, *args) -> None:
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
-        t.request.cancelled = True
+        if t.request is not None:  # not yet in the core: nothing to leave
+            t.request.cancelled = True
         log.warning("spork: answering a request failed (%r); it leaves the batch", e)
 
 
@@ -194,8 +197,8 @@ class Service:
         Raises UserError for bad input and QueueFull when every slot is taken and the queue is full, before any
         work."""
         req = parse_request(inputs, self.limits, can_stream)
-        request = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
-        ticket = Ticket(request, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s)
+        sub = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
+        ticket = Ticket(sub, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s)
         with self._wake:
             if self._down is not None or self._stopping:
                 raise QueueFull(self._down or SHUTTING_DOWN)
@@ -274,16 +277,16 @@ class Service:
                 req.cancelled = req.cancelled or t.expired or t.cancelled()
             except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
                 req.cancelled = True
-                log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.id, e)
+                log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.sub.id, e)
         t0 = time.perf_counter()
         finished = self.core.step()
         self._answer(finished, time.perf_counter() - t0)
 
     def _join(self, t: Ticket) -> None:
         try:
-            self.core.add(t.request)
+            t.request = self.core.add(t.sub)
         except Exception as e:  # noqa: BLE001 - bad input, a full queue, or a bug: this request's answer
-            deliver(t, t.fail, public_error(e, t.request.id))
+            deliver(t, t.fail, public_error(e, t.sub.id))
             return
         self._tickets[t.request] = t
 
@@ -295,7 +298,7 @@ class Service:
             except Exception as e:  # noqa: BLE001 - answering this request failed: it fails alone
                 self._tickets.pop(req, None)
                 req.cancelled = True  # leaves the core at the next step, if it has not
-                deliver(t, t.fail, public_error(e, req.id))
+                deliver(t, t.fail, public_error(e, req.sub.id))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
         p = self.core.prefixes.stats
@@ -310,7 +313,7 @@ class Service:
         t.generated += new
         if req.error is not None:  # the core failed it alone and logged the detail under its id
             del self._tickets[req]
-            deliver(t, t.fail, InternalError(req.id))
+            deliver(t, t.fail, InternalError(req.sub.id))
         elif finished:
             del self._tickets[req]
             self.metrics.draft_tokens += req.stats.draft_tokens

@@ -39,19 +39,23 @@ def write_selfdata(target, d: Path, n: int = 160, new_tokens: int = 40) -> Path:
     return d
 
 
-def run_core(core, requests: list, join_at: dict[int, int] | None = None) -> dict:
-    """Step until every request is done; request i joins at step join_at[i] (default 0)."""
-    join_at, steps, out = join_at or {}, 0, {}
-    pending = list(range(len(requests)))
-    while pending or not core.idle:
-        for i in [i for i in pending if join_at.get(i, 0) <= steps]:
-            core.add(requests[i])
-            pending.remove(i)
-        for r in core.step():
-            out[requests.index(r)] = r.result()
+def core_requests(core, subs: list, join_at: dict[int, int] | None = None) -> list:
+    """Step until every submission's request is done; submission i joins at step join_at[i] (default 0). Returns
+    their Requests (the core's state), in submission order."""
+    join_at, steps, added = join_at or {}, 0, {}
+    while len(added) < len(subs) or not core.idle:
+        for i in [i for i in range(len(subs)) if i not in added and join_at.get(i, 0) <= steps]:
+            added[i] = core.add(subs[i])
+        core.step()
         steps += 1
         assert steps < 2000
-    return out
+    assert all(r.finished for r in added.values())
+    return [added[i] for i in range(len(subs))]
+
+
+def run_core(core, subs: list, join_at: dict[int, int] | None = None) -> dict:
+    """Step until every submission's request is done (core_requests); their results, by submission index."""
+    return dict(enumerate(r.result() for r in core_requests(core, subs, join_at)))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
@@ -15,9 +15,10 @@ from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import QueueFull, UserError
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.generate import generate
+from spork_trt.request import Submission
 from spork_trt.sampling import make_generator
 from spork_trt.weights import random_checkpoint
-from tests.conftest import run_core, tiny_config
+from tests.conftest import core_requests, run_core, tiny_config
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31], [7, 8]]
 LENGTHS = [30, 12, 25, 18, 40]
@@ -57,10 +58,10 @@ def early_engine(tiny, kind: str):
     return TorchEngine(model, exit_layer=1) if kind == "torch" else OnnxEngine(early, model.cfg, n_layers=1)
 
 
-def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig(), adaptive: bool = True) -> Request:
+def request(tiny, kind, i: int, draft: str, sampling=SamplingConfig(), adaptive: bool = True) -> Submission:
     cfg = GenerateConfig(max_new_tokens=LENGTHS[i], sampling=sampling)
     spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram", adaptive=adaptive)
-    return Request(PROMPTS[i], cfg, frozenset(), spec, drafter(tiny, kind, draft, sampling))
+    return Submission(PROMPTS[i], cfg, frozenset(), spec, drafter(tiny, kind, draft, sampling))
 
 
 @pytest.mark.parametrize("kind", ["torch", "onnx"])
@@ -121,10 +122,10 @@ def test_batched_requests_equal_each_request_alone(tiny, kind):
     want = [generate(engine(tiny, kind), PROMPTS[i], GenerateConfig(max_new_tokens=LENGTHS[i]), frozenset()).token_ids
             for i in range(5)]
     core = EngineCore(engine(tiny, kind), 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
-    reqs = [request(tiny, kind, i, d, adaptive=i != 3) for i, d in enumerate(draws)]
-    out = run_core(core, reqs, join_at={3: 4, 4: 9})
-    assert [out[i].token_ids for i in range(5)] == want
-    assert out[3].stats.draft_tokens > 0 and core.pool.in_use == 0
+    reqs = core_requests(core, [request(tiny, kind, i, d, adaptive=i != 3) for i, d in enumerate(draws)],
+                         join_at={3: 4, 4: 9})
+    assert [r.result().token_ids for r in reqs] == want
+    assert reqs[3].stats.draft_tokens > 0 and core.pool.in_use == 0
     # the acceptance odds are pooled per drafter: both n-gram requests learned into (and read) the same table
     assert reqs[0].sched.odds is reqs[3].sched.odds is core.odds["ngram"]
     assert reqs[2].sched.odds is reqs[4].sched.odds is core.odds["early-exit"] is not core.odds["ngram"]
@@ -247,7 +248,7 @@ def test_a_joining_request_rides_in_the_step_s_one_target_forward(tiny, kind):
         decoding = sum(r.root is not None for r in core.active)
         before = len(calls)
         for r in core.step():
-            out[reqs.index(r)] = r.result()
+            out[reqs.index(r.sub)] = r.result()
         per_step.append(len(calls) - before)
         mixed += joining and decoding > 0
         steps += 1

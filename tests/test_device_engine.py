@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.drafters import NgramDrafter
 from spork_trt.engines import SeqInput, chain_input
 from spork_trt.engines.device_engine import DeviceEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
 from spork_trt.generate import generate
+from spork_trt.request import Submission
 from spork_trt.weights import random_checkpoint
 from tests.conftest import run_core, tiny_config
 
@@ -58,7 +59,7 @@ def test_batched_requests_equal_plain_alone(target):
     dev = device(target)
     core = EngineCore(dev, 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
     spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=8)
-    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
+    reqs = [Submission(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
             for i, p in enumerate(PROMPTS)]
     out = run_core(core, reqs)
     for i, p in enumerate(PROMPTS):
@@ -117,7 +118,7 @@ def test_logits_stay_on_the_device_and_verification_reads_them_there(target):
         outs = []
         for eng in (LogitsOnDevice(target, "cpu", "fp32"), device(target)):
             core = EngineCore(eng, 256, CoreConfig(slots=3, max_len=96, prefill_tokens=5))
-            outs.append(run_core(core, [Request(p, cfg, spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
+            outs.append(run_core(core, [Submission(p, cfg, spec=spec, drafter=NgramDrafter(4) if i % 2 else None)
                                         for i, p in enumerate(PROMPTS)]))
         for i, p in enumerate(PROMPTS):
             assert outs[0][i].token_ids == outs[1][i].token_ids and len(outs[0][i].token_ids) == 30

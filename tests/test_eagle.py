@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.draft_head import load_head
 from spork_trt.eagle import EagleDrafter, lookup
 from spork_trt.engines import chain_input
@@ -19,6 +19,7 @@ from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.learn.train_draft import TrainConfig, train_draft
 from spork_trt.generate import generate
 from spork_trt.model import causal_mask
+from spork_trt.request import Submission
 from spork_trt.weights import random_checkpoint
 from tests.conftest import onnx_head_step_matching, run_core, tiny_config, write_selfdata
 
@@ -87,8 +88,8 @@ def test_batched_eagle_requests_equal_each_alone(target, head):
     engine = TorchEngine(target, taps=head.hc.taps)
     core = EngineCore(engine, 256, CoreConfig(slots=3, max_len=128, prefill_tokens=5))
     spec = SpecConfig(draft="eagle", tree_width=2, tree_depth=3, tree_budget=5)
-    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=drafter(head, target) if i != 1 else None)
-            for i, p in enumerate(PROMPTS + [[9, 9, 8]])]
+    reqs = [Submission(p, GenerateConfig(max_new_tokens=30), spec=spec,
+                       drafter=drafter(head, target) if i != 1 else None) for i, p in enumerate(PROMPTS + [[9, 9, 8]])]
     out = run_core(core, reqs)
     for i, p in enumerate(PROMPTS + [[9, 9, 8]]):
         assert out[i].token_ids == run(TorchEngine(target), p, 30).token_ids
@@ -184,7 +185,8 @@ def test_store_eagle_greedy_equals_plain_and_uses_both_drafters(target, head, tm
         assert run(engine, p, 40, hybrid(), spec).token_ids == run(TorchEngine(target), p, 40).token_ids, p
     assert trees["store"] > 0 and trees["head"] > 0, trees
     core = EngineCore(engine, 256, CoreConfig(slots=3, max_len=128, prefill_tokens=5))
-    out = run_core(core, [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=hybrid()) for p in prompts])
+    out = run_core(core, [Submission(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=hybrid())
+                          for p in prompts])
     for i, p in enumerate(prompts):
         assert out[i].token_ids == run(TorchEngine(target), p, 30).token_ids
 

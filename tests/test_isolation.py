@@ -6,20 +6,22 @@ the service's loop thread dies anyway, the service says so and refuses every req
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import InternalError, QueueFull
 from spork_trt.generate import generate
+from spork_trt.request import Submission
 from spork_trt.sampling import make_generator
 from spork_trt.service import Service
 from spork_trt.weights import random_checkpoint
-from tests.conftest import run_core, tiny_config
+from tests.conftest import core_requests, tiny_config
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31]]
 NEW = 20
@@ -52,26 +54,27 @@ class FailingModelDrafter(ModelDrafter):
         raise Broken(SECRET)
 
 
-def ngram_request(i: int, drafter=None) -> Request:
-    return Request(PROMPTS[i], GenerateConfig(max_new_tokens=NEW), frozenset(), SpecConfig.for_draft("ngram"),
-                   drafter or NgramDrafter(4))
+def ngram_request(i: int, drafter=None) -> Submission:
+    return Submission(PROMPTS[i], GenerateConfig(max_new_tokens=NEW), frozenset(), SpecConfig.for_draft("ngram"),
+                      drafter or NgramDrafter(4))
 
 
-def early_request(i: int, engine, cls=ModelDrafter) -> Request:
+def early_request(i: int, engine, cls=ModelDrafter) -> Submission:
     drafter = cls(engine, SamplingConfig(), make_generator(None))  # engine: the draft engine the drafters share
-    return Request(PROMPTS[i], GenerateConfig(max_new_tokens=NEW), frozenset(),
-                   SpecConfig.for_draft("early-exit", adaptive=False), drafter)
+    return Submission(PROMPTS[i], GenerateConfig(max_new_tokens=NEW), frozenset(),
+                      SpecConfig.for_draft("early-exit", adaptive=False), drafter)
 
 
 def test_a_drafter_that_raises_fails_its_request_alone(model):
     """One request's n-gram drafter and one's model drafter (batched with another's: drafters.drive_each) raise;
     those two fail with their error, the three others finish with the tokens they get alone, slots come back."""
     early = TorchEngine(model, exit_layer=1)
-    reqs = [ngram_request(0), ngram_request(1, FailingNgram(4)), early_request(2, early),
-            early_request(3, early, FailingModelDrafter), Request(PROMPTS[1], GenerateConfig(
+    subs = [ngram_request(0), ngram_request(1, FailingNgram(4)), early_request(2, early),
+            early_request(3, early, FailingModelDrafter), Submission(PROMPTS[1], GenerateConfig(
                 max_new_tokens=NEW), frozenset())]
     core = EngineCore(TorchEngine(model), 256, CoreConfig(slots=5, max_len=96))
-    out = run_core(core, reqs)
+    reqs = core_requests(core, subs)
+    out = [r.result() for r in reqs]
     assert [out[i].stop_reason for i in (1, 3)] == ["error", "error"]
     assert isinstance(reqs[1].error, Broken) and isinstance(reqs[3].error, Broken)
     assert [out[i].token_ids for i in (0, 2, 4)] == [alone(model, 0), alone(model, 2), alone(model, 1)]
@@ -102,8 +105,8 @@ class Flaky(TorchEngine):
 def test_a_batched_forward_that_raises_once_is_run_again_and_changes_nothing(model, fail):
     eng = Flaky(model, fail)
     core = EngineCore(eng, 256, CoreConfig(slots=4, max_len=96, prefill_tokens=5))
-    reqs = [ngram_request(i) for i in range(4)]
-    out = run_core(core, reqs)
+    reqs = core_requests(core, [ngram_request(i) for i in range(4)])
+    out = [r.result() for r in reqs]
     assert eng.failed and all(r.error is None for r in reqs)
     assert [out[i].token_ids for i in range(4)] == [alone(model, i) for i in range(4)]
 
@@ -111,9 +114,7 @@ def test_a_batched_forward_that_raises_once_is_run_again_and_changes_nothing(mod
 def test_a_forward_that_keeps_raising_for_one_request_fails_it_alone(model):
     eng = Flaky(model)
     core = EngineCore(eng, 256, CoreConfig(slots=3, max_len=96))
-    reqs = [ngram_request(i) for i in range(3)]
-    for r in reqs:
-        core.add(r)
+    reqs = [core.add(ngram_request(i)) for i in range(3)]
     core.step()  # admitted and prefilled: each holds its slot's cache
     eng.poisoned.add(id(reqs[1].cache))
     while not core.idle:
@@ -125,12 +126,10 @@ def test_a_forward_that_keeps_raising_for_one_request_fails_it_alone(model):
 def test_a_draft_forward_that_keeps_raising_for_one_drafter_fails_its_request_alone(model):
     """Two model drafters batched on one draft engine (drafters.drive_each): the forwards of one's cache raise."""
     early = Flaky(model, exit_layer=1)
-    reqs = [early_request(i, early) for i in (0, 2)]
     core = EngineCore(TorchEngine(model), 256, CoreConfig(slots=2, max_len=96))
-    for r in reqs:
-        core.add(r)
+    reqs = [core.add(early_request(i, early)) for i in (0, 2)]
     core.step()  # prefilled: each drafter holds its own cache
-    early.poisoned.add(id(reqs[0].drafter.cache))
+    early.poisoned.add(id(reqs[0].sub.drafter.cache))
     while not core.idle:
         core.step()
     assert isinstance(reqs[0].error, Broken) and reqs[1].error is None and core.pool.in_use == 0
@@ -196,10 +195,8 @@ def test_a_failing_drafter_fails_its_request_alone_with_an_id_the_log_names(runt
     real = runtime.request
 
     def request(prompt_ids, *a, **kw):  # the request of prompt 1 gets a drafter that raises
-        r = real(prompt_ids, *a, **kw)
-        if prompt_ids == PROMPTS[1]:
-            r.drafter = FailingNgram(4)
-        return r
+        sub = real(prompt_ids, *a, **kw)
+        return replace(sub, drafter=FailingNgram(4)) if prompt_ids == PROMPTS[1] else sub
 
     monkeypatch.setattr(runtime, "request", request)
     service = Service(runtime, SpecConfig.for_draft("ngram"), CoreConfig(slots=2, max_len=96))

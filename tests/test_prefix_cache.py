@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig
-from spork_trt.core import CoreConfig, EngineCore, Request
+from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.prefix_cache import BLOCK, PrefixCache
+from spork_trt.request import Submission
 from tests.conftest import run_core
 from tests.test_core import drafter, engine, tiny  # noqa: F401 - the module's tiny models fixture
 
@@ -18,8 +19,8 @@ FIRST = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(3)).
 def ask(tiny, kind, prompt, draft="plain", sampling=SamplingConfig(), n=20):  # noqa: F811
     from spork_trt.config import SpecConfig
     spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
-    return Request(list(prompt), GenerateConfig(max_new_tokens=n, sampling=sampling), frozenset(), spec,
-                   drafter(tiny, kind, draft, sampling))
+    return Submission(prompt, GenerateConfig(max_new_tokens=n, sampling=sampling), frozenset(), spec,
+                      drafter(tiny, kind, draft, sampling))
 
 
 @pytest.mark.parametrize("kind,draft,sampling", [("onnx", "plain", SamplingConfig()), ("onnx", "ngram", SamplingConfig()),

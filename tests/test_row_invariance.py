@@ -91,7 +91,7 @@ def test_a_quantized_target_verifying_chains_is_lossless_alone_and_batched(graph
     """spork == plain greedy, token for token, on the int8 target: chains drafted by the fp32 graph (a close draft:
     long accepted runs), one request alone and four batched together."""
     from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-    from spork_trt.core import Request
+    from spork_trt.request import Submission
     from spork_trt.drafters import ModelDrafter
     from spork_trt.generate import generate, run_many
 
@@ -101,13 +101,13 @@ def test_a_quantized_target_verifying_chains_is_lossless_alone_and_batched(graph
     prompts = [PROMPT, PROMPT[:3], NEXT + PROMPT, [1, 2, 3, 4, 5]]
     plain = [generate(target, p, cfg, frozenset()).token_ids for p in prompts]
 
-    def drafted(p: list[int]) -> Request:
+    def drafted(p: list[int]) -> Submission:
         drafter = ModelDrafter(OnnxEngine(graphs["fp32"], CFG), SamplingConfig(), torch.Generator())
-        return Request(list(p), cfg, frozenset(), chain, drafter)
+        return Submission(p, cfg, frozenset(), chain, drafter)
 
     alone = [generate(target, p, cfg, frozenset(), drafter=drafted(p).drafter, spec=chain) for p in prompts]
     assert [r.token_ids for r in alone] == plain
     assert sum(r.stats.accepted_tokens for r in alone) > 40  # speculation did happen
-    requests = [drafted(p) for p in prompts]
-    list(run_many(target, requests, slots=4, max_len=128))
-    assert [r.result().token_ids for r in requests] == plain
+    subs = [drafted(p) for p in prompts]
+    done = {r.sub: r for r in run_many(target, subs, slots=4, max_len=128)}
+    assert [done[s].result().token_ids for s in subs] == plain

@@ -219,7 +219,8 @@ def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
     """score_batch scores several requests' trees (each after its own committed rows, with its own head) in one
     verifier forward, with the features each gets alone, leaving every cache as it was; the engine core scores a
     step's trees that way (one shared verifier engine) and every request stays token-identical to plain."""
-    from spork_trt.core import CoreConfig, EngineCore, Request
+    from spork_trt.core import CoreConfig, EngineCore
+    from spork_trt.request import Submission
     from spork_trt.verifier import ScoreJob, score_batch
     from tests.conftest import run_core
 
@@ -247,8 +248,8 @@ def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
     calls.clear()
     spec = SpecConfig(tree_width=3, tree_depth=4, tree_budget=10, verifier="on", tau=0.05)
     core = EngineCore(TorchEngine(target), 256, CoreConfig(slots=3, max_len=128))
-    reqs = [Request(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4),
-                    verifier=Verifier(shared, argmax_head(2))) for p in PROMPTS]
+    reqs = [Submission(p, GenerateConfig(max_new_tokens=30), spec=spec, drafter=NgramDrafter(4),
+                       verifier=Verifier(shared, argmax_head(2))) for p in PROMPTS]
     out = run_core(core, reqs)
     for i, p in enumerate(PROMPTS):
         assert out[i].token_ids == run(target, p, 30).token_ids and out[i].stats.scored_steps > 0

@@ -158,7 +158,7 @@ def sample_prompts(rt, cfg: SelfDataConfig, source: str, want: int, rows: list[d
     prefix = user_turn_prefix(rt.tokenizer)
     progress = Progress(f"{source} prompts", want, kept)
     state = {"kept": kept}
-    lead = {}  # request -> (its attempt's id, the opener's token ids)
+    lead = {}  # submission -> (its attempt's id, the opener's token ids)
     openers = [rt.tokenizer.hf.encode(o, add_special_tokens=False) for o in OPENERS] if source == "opener" else [[]]
 
     def attempts() -> Iterator:
@@ -168,15 +168,15 @@ def sample_prompts(rt, cfg: SelfDataConfig, source: str, want: int, rows: list[d
                 opener = openers[i % len(openers)]
                 sampling = SamplingConfig(cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 1_000_003 +
                                           SEED_OFFSET[source] + i)
-                r = rt.request(prefix + opener, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork",
-                               SpecConfig())
-                lead[r] = (f"{source}:{i}", opener)
-                yield r
+                sub = rt.request(prefix + opener, GenerateConfig(cfg.max_prompt_tokens, sampling), "spork",
+                                 SpecConfig())
+                lead[sub] = (f"{source}:{i}", opener)
+                yield sub
             i += 1
 
     for r in run_many(rt.engine, attempts(), cfg.slots, len(prefix) + cfg.max_prompt_tokens + 32):
         res = r.result()
-        rid, opener = lead.pop(r)
+        rid, opener = lead.pop(r.sub)
         text = rt.tokenizer.decode([*opener, *res.token_ids]).strip()
         ok = res.stop_reason == "eos" and len(text.split()) >= 4 and text not in seen
         if ok:
@@ -198,20 +198,20 @@ def answer(rt, cfg: SelfDataConfig, prompts: list[dict]) -> list[dict]:
     if todo:
         stage(f"answering {len(todo)} prompts ({len(done)} done before)")
 
-    ids = {}  # request -> its prompt's id
+    ids = {}  # submission -> its prompt's id
 
     def requests() -> Iterator:
         for p in todo:
-            r = rt.request(rt.tokenizer.encode_prompt(p["prompt"]), GenerateConfig(cfg.max_new_tokens), "spork",
-                           SpecConfig())
-            ids[r] = p["id"]
-            yield r
+            sub = rt.request(rt.tokenizer.encode_prompt(p["prompt"]), GenerateConfig(cfg.max_new_tokens), "spork",
+                             SpecConfig())
+            ids[sub] = p["id"]
+            yield sub
 
     out = Appender(path)
     max_len = cfg.max_code_tokens + cfg.max_new_tokens + 64
     for r in run_many(rt.engine, requests(), cfg.slots, max_len):
         res = r.result()
-        row = {"id": ids.pop(r), "ids": [*r.prompt_ids, *res.token_ids], "n_prompt": len(r.prompt_ids),
+        row = {"id": ids.pop(r.sub), "ids": [*r.sub.prompt_ids, *res.token_ids], "n_prompt": len(r.sub.prompt_ids),
                "stop": res.stop_reason}
         out.write(row)
         rows.append(row)
