@@ -4,10 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 PROMPT ?= Explain speculative decoding in two sentences.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test demo bench bench-peers clean
+.PHONY: setup system test demo bench bench-peers clean
 
-setup: $(STAMP)
+setup: system $(STAMP)
+
+# the system packages the project runs (Debian/Ubuntu apt): haproxy, the load balancer of `serve --replicas`
+system:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { $(SUDO) apt-get install -y -q haproxy || \
+	  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q haproxy; }; }
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)

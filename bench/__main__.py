@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   python -m bench core --concurrency 1,4,8 --rounds 3    # the engine core in process: spork vs plain per
                                                           # concurrency, priced by one fitted cost table (no drift)
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
+  python -m bench failover --clients 16 --duration 60      # 2 replicas behind haproxy: one drained, one killed
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
   python -m bench costs --engines engines/default         # target and verifier forward cost by tree nodes
@@ -215,6 +216,18 @@ def main(argv=None) -> int:
     sk.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     sk.add_argument("--out", default="results/soak")
     sk.add_argument("--json", action="store_true")
+    fo = sub.add_parser("failover", help="two replicas behind haproxy under N clients: one drained (SIGTERM), then "
+                        "one killed (SIGKILL) mid-run; ok / wrong / cut / lost", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(fo)
+    fo.set_defaults(limit=4, engines="engines/default", max_new_tokens=48)
+    fo.add_argument("--clients", type=int, default=16)
+    fo.add_argument("--duration", type=float, default=60.0, help="seconds per phase (default: %(default)s)")
+    fo.add_argument("--slots", type=int, default=16, help="KV slots of each replica (default: %(default)s)")
+    fo.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="seconds the drained replica's in-flight requests get (default: %(default)s)")
+    fo.add_argument("--out", default="results/failover")
+    fo.add_argument("--json", action="store_true")
     sv.add_argument("--out", default="results/serve")
     sv.add_argument("--json", action="store_true")
     gp = sub.add_parser("gpu", help="the GPU engine's check: parity, plain vs HF generate, spork at batch 1, "
@@ -252,6 +265,10 @@ def main(argv=None) -> int:
             from . import soak
 
             return soak.main(args)
+        if args.command == "failover":
+            from . import failover
+
+            return failover.main(args)
         if args.command == "replay":
             from . import replay
 

@@ -1,9 +1,17 @@
 """Query the served `ensemble`: tritonclient HTTP or gRPC infer, gRPC bidirectional streaming, or Triton's HTTP
-generate / generate_stream endpoints. Every protocol returns the same Reply."""
+generate / generate_stream endpoints. Every protocol returns the same Reply.
+
+A request that got no answer yet is sent again (`retries`, with exponential backoff and jitter) when the server
+refused it as unavailable (a full queue, a draining or failed replica: errors.RETRY_HINTS, HTTP 503, gRPC
+UNAVAILABLE) or its connection failed: behind a load balancer the next try reaches another replica. An answer cut
+after its first response is never sent again (its text was already given out): it fails as incomplete."""
 from __future__ import annotations
 
+import http.client
+import itertools
 import json
 import queue
+import random
 import time
 import urllib.error
 import urllib.request
@@ -12,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import UserError
+from .errors import RETRY_HINTS, Unanswered, UserError
 
 PROTOCOLS = ("http", "grpc", "generate")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "generate": 8000}
@@ -35,6 +43,8 @@ class ClientConfig:
     stop_words: tuple[str, ...] = ()  # the answer ends where the first one starts
     spec_mode: str | None = None  # spork | plain; None: the server's default (spork)
     timeout_s: float = 600.0
+    retries: int = 3  # times a request with no answer yet is sent again (see the module doc)
+    backoff_s: float = 0.5  # before retry k (from 0): backoff_s * 2**k, plus up to half of it at random
 
     @property
     def address(self) -> str:
@@ -52,6 +62,7 @@ class Reply:
     start: float = 0.0  # time.perf_counter() when the request was sent
     # per response carrying stats: (seconds since `start`, tokens generated so far: steps x mean accepted length)
     progress: list[tuple[float, int]] = field(default_factory=list)
+    retries: int = 0  # times the request was sent again before it was answered
 
 
 OnText = Callable[[str], None]
@@ -111,27 +122,54 @@ def first(result, name: str):
 
 
 def query(prompt: str, cfg: ClientConfig = ClientConfig(), on_text: OnText | None = None) -> Reply:
-    """Send one prompt; streamed text goes to `on_text` as it arrives. Server errors raise UserError."""
+    """Send one prompt; streamed text goes to `on_text` as it arrives. Server errors raise UserError; a request with
+    no answer yet is sent again up to `cfg.retries` times (module doc)."""
     values = request_values(prompt, cfg)
     col = Collector(on_text)
-    if cfg.protocol == "generate":
-        generate_endpoint(values, cfg, col)
-    elif cfg.protocol == "http":
-        import tritonclient.http as httpclient
-        from tritonclient.utils import InferenceServerException
-
+    send = {"generate": generate_endpoint, "http": http_query, "grpc": grpc_query}[cfg.protocol]
+    for attempt in itertools.count():
         try:
-            with httpclient.InferenceServerClient(cfg.address, network_timeout=cfg.timeout_s) as c:
-                inputs = [httpclient.InferInput(n, a.shape, dt) for n, (a, dt) in values.items()]
-                for i, (a, _) in zip(inputs, values.values()):
-                    i.set_data_from_numpy(a)
-                r = c.infer(UNARY_MODEL, inputs)
-                col.add({n["name"]: first(r, n["name"]) for n in r.get_response()["outputs"]})
-        except InferenceServerException as e:
-            raise UserError(f"server error: {e.message()}") from None
-    else:
-        grpc_query(values, cfg, col)
+            send(values, cfg, col)
+            break
+        except Unanswered as e:
+            if attempt >= cfg.retries:
+                raise UserError(f"{e} (sent {attempt + 1} times)") from None
+            time.sleep(cfg.backoff_s * 2 ** attempt * (1 + random.random() / 2))
+    col.reply.retries = attempt
     return col.done()
+
+
+def failure(message: str, col: Collector, retry: bool) -> UserError:
+    """The error for a failed request: Unanswered (it may be sent again) when nothing was answered yet and `retry`;
+    incomplete once a response came (never sent again)."""
+    if col.reply.chunks:
+        return UserError(f"{message}: the answer was cut after {col.reply.chunks} responses and is incomplete")
+    return Unanswered(message) if retry else UserError(message)
+
+
+def server_failure(e, col: Collector) -> UserError:
+    """A tritonclient InferenceServerException: retried when it says unavailable (HTTP 503, gRPC UNAVAILABLE or our
+    RETRY_HINTS)."""
+    message = e.message() or str(e)
+    retry = e.status() in ("503", "StatusCode.UNAVAILABLE") or any(h in message for h in RETRY_HINTS)
+    return failure(f"server error: {message}", col, retry)
+
+
+def http_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with httpclient.InferenceServerClient(cfg.address, network_timeout=cfg.timeout_s) as c:
+            inputs = [httpclient.InferInput(n, a.shape, dt) for n, (a, dt) in values.items()]
+            for i, (a, _) in zip(inputs, values.values()):
+                i.set_data_from_numpy(a)
+            r = c.infer(UNARY_MODEL, inputs)
+            col.add({n["name"]: first(r, n["name"]) for n in r.get_response()["outputs"]})
+    except InferenceServerException as e:
+        raise server_failure(e, col) from None
+    except OSError as e:  # refused, reset or closed before the answer
+        raise failure(f"cannot reach Triton at {cfg.address} ({e})", col, retry=True) from None
 
 
 def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
@@ -150,19 +188,38 @@ def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
             responses: queue.Queue = queue.Queue()
             c.start_stream(callback=lambda result, error: responses.put((result, error)),
                            stream_timeout=cfg.timeout_s)
-            c.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
-            while True:
-                result, error = responses.get(timeout=cfg.timeout_s)
-                if error is not None:
-                    raise error
-                resp = result.get_response()
-                if resp.outputs:
-                    col.add({o.name: first(result, o.name) for o in resp.outputs})
-                if resp.parameters["triton_final_response"].bool_param:
-                    break
+            try:
+                send_stream(c, inputs, responses)
+                while True:
+                    result, error = responses.get(timeout=cfg.timeout_s)
+                    if error is not None:
+                        raise error
+                    resp = result.get_response()
+                    if resp.outputs:
+                        col.add({o.name: first(result, o.name) for o in resp.outputs})
+                    if resp.parameters["triton_final_response"].bool_param:
+                        break
+            except BaseException:  # the server's work on it ends too (Ctrl-C, an error, a timeout)
+                c.stop_stream(cancel_requests=True)
+                raise
             c.stop_stream()
     except InferenceServerException as e:
-        raise UserError(f"server error: {e.message()}") from None
+        raise server_failure(e, col) from None
+
+
+def send_stream(c, inputs: list, responses: queue.Queue) -> None:
+    """Send the request on a started stream. A stream that broke before (the server unreachable) refuses it with a
+    generic message and has put the reason in `responses`: that is raised."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        c.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+    except InferenceServerException as e:
+        try:
+            _, error = responses.get(timeout=5.0)
+        except queue.Empty:
+            raise e from None
+        raise error or e from None
 
 
 def error_message(body: bytes, fallback: str) -> str:
@@ -196,16 +253,15 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
                 if line.startswith(b"data:"):
                     event = json.loads(line[5:])
                     if "error" in event:
-                        raise UserError(f"server error: {event['error']}")
+                        raise failure(f"server error: {event['error']}", col,
+                                      any(h in event["error"] for h in RETRY_HINTS))
                     col.add(event)
     except urllib.error.HTTPError as e:
-        raise UserError(f"server error (HTTP {e.code}): {error_message(e.read(), e.reason)}") from None
+        message = error_message(e.read(), e.reason)
+        raise failure(f"server error (HTTP {e.code}): {message}", col,
+                      e.code == 503 or any(h in message for h in RETRY_HINTS)) from None
     except urllib.error.URLError as e:
-        raise UserError(f"cannot reach Triton at {cfg.address} ({e.reason}): start it with "
-                        "`python -m spork_trt serve`") from None
-    except ConnectionError as e:  # reset or closed: refused while draining, or cut mid-stream
-        if col.reply.chunks:
-            raise UserError(f"the connection to Triton at {cfg.address} was lost after {col.reply.chunks} chunks "
-                            f"({e}): the answer is incomplete") from None
-        raise UserError(f"Triton at {cfg.address} closed the connection before answering ({e}): it may be "
-                        "stopping; retry elsewhere or later") from None
+        raise failure(f"cannot reach Triton at {cfg.address} ({e.reason}): is `python -m spork_trt serve` running?",
+                      col, retry=True) from None
+    except (ConnectionError, http.client.HTTPException) as e:  # reset or closed: draining, or cut mid-stream
+        raise failure(f"the connection to Triton at {cfg.address} was lost ({e!r})", col, retry=True) from None

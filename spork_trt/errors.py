@@ -3,7 +3,6 @@ full server, an internal failure (named by the request's id only)."""
 from __future__ import annotations
 
 
-
 class UserError(Exception):
     """Something the user can fix; the message says what is wrong and how to fix it."""
 
@@ -19,6 +18,16 @@ class FieldError(UserError):
 
     def named(self, name: str) -> FieldError:
         return FieldError(self.field, self.rest, name)
+
+
+# words every "try again" answer of the server carries (a full queue, a draining or failed instance): the request
+# did nothing, so a client may send it again, later or to another replica (client.py, openai_api/upstream.py)
+RETRY_HINTS = ("retry later", "retry on another instance")
+
+
+class Unanswered(UserError):
+    """A request that got no answer yet and may be sent again (refused as unavailable, or its connection failed
+    before the first response)."""
 
 
 class QueueFull(Exception):

@@ -121,16 +121,16 @@ def command(cfg: ServerConfig, binary: Binary) -> list[str]:
     return cmd
 
 
-def refuse_ports_in_use(cfg: ServerConfig) -> None:
-    """A port already answering would make `serve` report ready for somebody else's server: refuse before starting."""
-    for flag, port in (("--http-port", cfg.http_port), ("--grpc-port", cfg.grpc_port),
-                       ("--metrics-port", cfg.metrics_port)):
+def refuse_ports_in_use(host: str, ports: dict[str, int]) -> None:
+    """A port already answering would make `serve` report ready for somebody else's server: refuse before starting.
+    ports: the flag that sets it -> port."""
+    for flag, port in ports.items():
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
             try:
-                sock.bind((cfg.host, port))
+                sock.bind((host, port))
             except OSError:
-                raise UserError(f"port {port} on {cfg.host} is in use (another server?): stop it or choose another "
+                raise UserError(f"port {port} on {host} is in use (another server?): stop it or choose another "
                                 f"{flag}") from None
 
 
@@ -172,7 +172,8 @@ class TritonServer:
         return f"{self.cfg.host}:{self.cfg.grpc_port}"
 
     def start(self) -> TritonServer:
-        refuse_ports_in_use(self.cfg)
+        refuse_ports_in_use(self.cfg.host, {"--http-port": self.cfg.http_port, "--grpc-port": self.cfg.grpc_port,
+                                            "--metrics-port": self.cfg.metrics_port})
         binary = find_binary()
         keep_previous(self.cfg.log)
         guard = [sys.executable, "-m", "spork_trt.server_guard", str(self.cfg.drain_timeout_s + GUARD_MARGIN_S), "--"]
@@ -204,6 +205,9 @@ class TritonServer:
             time.sleep(0.5)
         self.stop()
         raise UserError(f"tritonserver was not ready after {self.cfg.ready_timeout_s:.0f}s; log: {self.cfg.log}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.cfg.log.read_text(errors="replace").splitlines()[-lines:])

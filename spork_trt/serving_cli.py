@@ -13,6 +13,7 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
   python -m spork_trt serve --drain-timeout 120               # SIGTERM: in-flight requests get 2 minutes to finish
   python -m spork_trt serve --openai-port 0                   # no OpenAI-compatible API (default: on port 9000)
+  python -m spork_trt serve --replicas 2                      # two servers behind haproxy on 8000/8001
 
 SIGTERM (or Ctrl-C) drains: readiness turns false at once, new requests are refused, in-flight ones finish within
 --drain-timeout; the exit code is 0 when everything finished, 1 otherwise. A second Ctrl-C stops at once. Nothing
@@ -54,6 +55,10 @@ def add_serving_commands(sub) -> None:
                    "one is kept as LOG.1)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish (default: %(default)s)")
+    s.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N servers (each its own engine core) on loopback ports behind haproxy, which alone holds "
+                   "--http-port/--grpc-port and health-checks each one's readiness (default: %(default)s: one "
+                   "server, no load balancer)")
     c = sub.add_parser("client", help="query a running server", epilog=CLIENT_EXAMPLES, formatter_class=fmt,
                        description="Send PROMPT to the served ensemble; streamed text goes to stdout, stats to stderr.")
     c.add_argument("prompt")
@@ -62,6 +67,10 @@ def add_serving_commands(sub) -> None:
                    help="grpc / http: tritonclient; generate: Triton's HTTP generate endpoints (default: grpc)")
     c.add_argument("--stream", action="store_true", help="stream text as it is committed (grpc or generate)")
     add_request_flags(c)
+    c.add_argument("--retries", type=int, default=3, metavar="N",
+                   help="send a request that got no answer yet again, up to N times with backoff, when the server "
+                   "refuses it as unavailable or the connection fails (behind --replicas: another replica; "
+                   "default: %(default)s)")
     c.add_argument("--json", action="store_true", help="print one JSON object with the text and stats")
     d = sub.add_parser("demo", help="the main job end to end: build, serve, stream one answer, stop",
                        epilog=DEMO_EXAMPLES, formatter_class=fmt)
@@ -92,6 +101,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from . import manifest as mf
     from .openai_api.server import FrontConfig, OpenAIServer, refuse_port_in_use
+    from .replicas import ReplicaSet
     from .serve import ServerConfig, TritonServer
     from .triton_repo import RepoConfig, engines_of, ensure_rendered, is_rendered
 
@@ -112,8 +122,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupt)
     served = mf.describe_target(mf.read(engines_of(repo))) if is_rendered(repo) else "not a rendered repository"
-    print(f"starting tritonserver on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
-    server = TritonServer(cfg).start()
+    server = ReplicaSet(cfg, a.replicas) if a.replicas != 1 else TritonServer(cfg)
+    what = f"{a.replicas} tritonservers behind haproxy" if a.replicas != 1 else "tritonserver"
+    print(f"starting {what} on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
+    server.start()
     front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout))
     try:
         if a.openai_port:
@@ -122,10 +134,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         server.stop(timeout_s=10.0)
         raise
     openai = f"  OpenAI API {front.url} (model {front.model_name})" if a.openai_port else ""
-    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {a.host}:{a.metrics_port}{openai}  "
+    metrics = (f"{a.host}:{a.metrics_port}" if a.replicas == 1 else "per replica (" + "; ".join(
+        f"r{i}: HTTP {s.http_url}, metrics 127.0.0.1:{s.cfg.metrics_port}" for i, s in enumerate(server.servers)) + ")")
+    print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {metrics}{openai}  "
           "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
-        while server.proc.poll() is None:
+        while server.alive():
             time.sleep(0.5)
     except KeyboardInterrupt:
         front.stop()  # first: no new OpenAI requests, its in-flight answers finish while Triton still serves
@@ -139,8 +153,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print("stopped: every request finished", file=sys.stderr, flush=True)
         return 0
     front.stop()
-    server.stop()
-    raise UserError(f"tritonserver exited with code {server.proc.returncode}; see {cfg.log}")
+    code = server.stop()
+    raise UserError(f"{what} exited (code {code}); see the logs beside {cfg.log}")
 
 
 def client_config(a: argparse.Namespace, **over):
@@ -160,20 +174,23 @@ def client_config(a: argparse.Namespace, **over):
 def print_reply(reply, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"text": reply.text, "stop_reason": reply.stop_reason, "stats": reply.stats,
-                          "time_s": reply.time_s, "ttft_s": reply.ttft_s}))
+                          "time_s": reply.time_s, "ttft_s": reply.ttft_s, "retries": reply.retries}))
         return
     st = reply.stats
     print(flush=True)
     print(f"[triton] {reply.chunks} response(s) in {reply.time_s:.2f}s (first text after {reply.ttft_s:.2f}s), "
           f"{st.get('num_steps', 0):.0f} steps, mean accepted length {st.get('mean_accepted_length', 0):.2f}, "
           f"acceptance {st.get('acceptance_rate', 0):.0%} ({st.get('total_accepted_draft_tokens', 0):.0f}/"
-          f"{st.get('total_draft_tokens', 0):.0f} draft tokens), stop: {reply.stop_reason}", file=sys.stderr)
+          f"{st.get('total_draft_tokens', 0):.0f} draft tokens), stop: {reply.stop_reason}"
+          + (f", sent again {reply.retries} time(s)" if reply.retries else ""), file=sys.stderr)
 
 
 def cmd_client(a: argparse.Namespace) -> int:
     from .client import query
 
-    cfg = client_config(a, url=a.url, protocol=a.protocol, stream=a.stream)
+    if a.retries < 0:
+        raise UserError(f"--retries must be >= 0, got {a.retries}")
+    cfg = client_config(a, url=a.url, protocol=a.protocol, stream=a.stream, retries=a.retries)
     on_text = None if a.json else (lambda t: print(t, end="", flush=True))
     reply = query(a.prompt, cfg, on_text)
     if not a.json and not a.stream:

@@ -28,8 +28,8 @@ def test_a_port_in_use_is_refused_before_starting(tmp_path):
         port = taken.getsockname()[1]
         cfg = ServerConfig(tmp_path, grpc_port=port, http_port=free_port(), metrics_port=free_port())
         with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use .* --grpc-port"):
-            refuse_ports_in_use(cfg)
-    refuse_ports_in_use(cfg)  # free again
+            refuse_ports_in_use(cfg.host, {"--http-port": cfg.http_port, "--grpc-port": cfg.grpc_port})
+    refuse_ports_in_use(cfg.host, {"--grpc-port": cfg.grpc_port})  # free again
 
 
 def test_the_previous_log_is_kept(tmp_path):
@@ -42,8 +42,16 @@ def test_the_previous_log_is_kept(tmp_path):
 
 
 def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, str]:
-    """`serve` in a subprocess, ready; returns it, its server's process group (the guard's pid) and its HTTP url.
-    The repository has one instance of each model (fewer stubs to start: these tests are about the processes)."""
+    """`serve` in a subprocess, ready; returns it, its server's process group (the guard's pid) and its HTTP url."""
+    p, guards, ports = launch_all(engines, tmp_path, *extra)
+    assert len(guards) == 1
+    return p, guards[0], f"127.0.0.1:{ports[0]}"
+
+
+def launch_all(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int], list[str]]:
+    """`serve` in a subprocess, ready; returns it, the process groups it leads (each guard's pid: a tritonserver's
+    or haproxy's) and its public ports (HTTP, gRPC, metrics). The repository has one instance of each model (fewer
+    stubs to start: these tests are about the processes)."""
     from spork_trt.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(engines, tmp_path / "repo", slots=2, unary_instances=1))
@@ -57,8 +65,7 @@ def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen
         assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()
         time.sleep(0.2)
     guards = [c.pid for c in psutil.Process(p.pid).children() if "server_guard" in " ".join(c.cmdline())]
-    assert len(guards) == 1
-    return p, guards[0], f"127.0.0.1:{ports[0]}"
+    return p, guards, ports
 
 
 def group_members(group: int) -> list[str]:
@@ -113,7 +120,7 @@ def test_sigterm_drains_the_stream_in_flight(default_engines, tmp_path):
         p.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         with pytest.raises(UserError):
-            query("hi", ClientConfig(url=url, protocol="generate", max_tokens=4))
+            query("hi", ClientConfig(url=url, protocol="generate", max_tokens=4, retries=0))
         t.join(120)
         assert reply["r"].stop_reason in ("eos", "max_tokens") and reply["r"].stats["num_steps"] >= 1
         assert p.wait(timeout=90) == 0, (tmp_path / "launcher.err").read_text()[-2000:]

@@ -2,7 +2,6 @@
 so it dies with the process however `serve` ends."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,14 +22,10 @@ class FrontConfig:
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
-    """Checked before Triton starts, so a taken port fails `serve` at once (as serve.refuse_ports_in_use)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            raise UserError(f"port {port} on {host} is in use (another server?): stop it or choose another "
-                            "--openai-port (0: no OpenAI API)") from None
+    """Checked before Triton starts, so a taken port fails `serve` at once."""
+    from ..serve import refuse_ports_in_use
+
+    refuse_ports_in_use(host, {"--openai-port (0: no OpenAI API)": port})
 
 
 class OpenAIServer:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import RETRY_HINTS
 from ..tokenizer import Tokenizer, text_delta
 from .errors import ApiError, unavailable
 from .params import Job
 
 MODEL = "spork"
-RETRY_HINTS = ("retry later", "retry on another instance")  # the spork model's UNAVAILABLE messages (QueueFull)
 
 
 @dataclass

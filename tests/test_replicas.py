@@ -1,0 +1,108 @@
+"""`serve --replicas N`: N tritonservers behind a real haproxy. Its configuration is valid for haproxy itself; the
+replicas share the load over HTTP, gRPC streaming and the generate endpoints with the same answers; when one is
+killed, every request is still answered (haproxy's retries, then the client's); nothing outlives the launcher. The
+client sends a request with no answer yet again, and reports an answer cut after its first response as
+incomplete."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import psutil
+import pytest
+
+from spork_trt.client import ClientConfig, Collector, failure, query
+from spork_trt.errors import Unanswered, UserError
+from spork_trt.replicas import ReplicaSet, find_haproxy, haproxy_config
+from spork_trt.serve import ServerConfig, free_port
+from tests.conftest import mt_bench_prompts
+from tests.test_serve_lifecycle import group_members, launch_all, wait_group_gone
+
+
+def test_the_balancer_configuration_is_valid_for_haproxy(tmp_path):
+    replicas = [replace(ServerConfig(tmp_path), http_port=free_port(), grpc_port=free_port()) for _ in range(3)]
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config("127.0.0.1", free_port(), free_port(), replicas))
+    checked = subprocess.run([find_haproxy(), "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    text = cfg.read_text()
+    assert text.count("check inter") == 6 and "retry-on conn-failure empty-response 503" in text
+    assert all(f"port {r.http_port} check-proto h1" in text for r in replicas)  # gRPC backends: HTTP readiness
+
+
+def test_replica_counts_outside_2_to_16_are_refused(tmp_path):
+    for n in (0, 17):
+        with pytest.raises(UserError, match="--replicas must be in 2..16"):
+            ReplicaSet(ServerConfig(tmp_path), n)
+
+
+def test_a_request_nobody_answers_is_sent_again_then_fails():
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    for protocol in ("generate", "http", "grpc"):
+        t = time.perf_counter()
+        with pytest.raises(UserError, match="sent 3 times"):
+            query("hi", ClientConfig(url=url, protocol=protocol, stream=protocol == "grpc", retries=2,
+                                     backoff_s=0.1, timeout_s=10))
+        assert time.perf_counter() - t >= 0.1 + 0.2  # the backoff before each retry
+
+
+def test_an_answer_cut_after_its_first_response_is_incomplete_and_never_sent_again():
+    col = Collector(None)
+    assert isinstance(failure("lost", col, retry=True), Unanswered)
+    assert not isinstance(failure("bad field", col, retry=False), Unanswered)
+    col.add({"text_output": b"Hello", **{k: 0.0 for k in ("acceptance_rate", "total_accepted_draft_tokens",
+                                                           "total_draft_tokens", "mean_accepted_length",
+                                                           "num_steps")}})
+    cut = failure("lost", col, retry=True)
+    assert not isinstance(cut, Unanswered) and "cut after 1 responses and is incomplete" in str(cut)
+
+
+def served(metrics_url: str) -> float:
+    """Requests the replica's preprocessing model answered (every ensemble request passes it)."""
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
+    return sum(float(m) for m in re.findall(r'nv_inference_request_success\{model="preprocessing"[^}]*\} (\S+)', text))
+
+
+@pytest.mark.slow
+def test_two_replicas_share_the_load_and_one_killed_loses_no_request(default_engines, tmp_path):
+    p, guards, ports = launch_all(default_engines, tmp_path, "--replicas", "2", "--drain-timeout", "5")
+    groups = list(guards)
+    try:
+        tritons = [g for g in guards if any("tritonserver" in c.name() for c in psutil.Process(g).children())]
+        assert len(guards) == 3 and len(tritons) == 2  # two replicas and haproxy, each in a guarded group
+        ready = (tmp_path / "launcher.err").read_text()
+        metrics = re.findall(r"metrics (127\.0\.0\.1:\d+)", ready)
+        http, grpc = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+
+        def ask(prompt: str, protocol: str) -> str:
+            return query(prompt, ClientConfig(url=grpc if protocol == "grpc" else http, protocol=protocol,
+                                              stream=protocol != "http", max_tokens=24, spec_mode="plain",
+                                              backoff_s=0.2)).text
+
+        prompts = mt_bench_prompts(3)
+        want = {q: ask(q, "grpc") for q in prompts}
+        jobs = [(q, proto) for q in prompts for proto in ("grpc", "http", "generate")] * 2
+        with ThreadPoolExecutor(6) as pool:  # at once: least connections sends them to both replicas
+            got = list(pool.map(lambda j: ask(*j), jobs))
+        assert got == [want[q] for q, _ in jobs] and all(want.values())
+        assert len(metrics) == 2 and all(served(m) > 0 for m in metrics), metrics
+
+        os.killpg(tritons[0], signal.SIGKILL)  # a replica crashes: its server and stubs are gone at once
+        assert wait_group_gone(tritons[0], 10) == []
+        got = [ask(q, proto) for q, proto in jobs]
+        assert got == [want[q] for q, _ in jobs]
+        assert p.poll() is None  # the set serves on with one replica
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=90)
+        finally:
+            p.kill()
+        for g in groups:
+            assert wait_group_gone(g, 30) == [], group_members(g)
