@@ -213,6 +213,13 @@ def main(argv=None) -> int:
     sk.add_argument("--slots", type=int, default=16, help="KV slots of the server (default: %(default)s)")
     sk.add_argument("--bad", type=float, default=0.15, help="share of bad requests (default: %(default)s)")
     sk.add_argument("--cancel", type=float, default=0.15, help="share of cancelled streams (default: %(default)s)")
+    sk.add_argument("--deadline", type=float, default=0.1,
+                    help="share of long requests with a deadline of a fraction of a second (default: %(default)s)")
+    sk.add_argument("--sampled", type=float, default=0.2,
+                    help="share of seeded sampling requests (plain mode; the rest greedy) (default: %(default)s)")
+    sk.add_argument("--max-queue", type=int, default=None,
+                    help="the server's queue beyond its slots (default: the clients, at least 64; small: the queue "
+                    "fills and requests are refused as unavailable)")
     sk.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     sk.add_argument("--out", default="results/soak")
     sk.add_argument("--json", action="store_true")

@@ -1,11 +1,17 @@
-"""`python -m bench soak`: N clients for a fixed time against one server, a mix of valid, bad and cancelled requests.
+"""`python -m bench soak`: N clients for a fixed time against one server, a mix of valid, bad, cancelled and deadline
+requests, with enough load to fill the queue.
 
-Valid requests (greedy, a few prompts and lengths, every protocol) must come back with exactly the text plain
-decoding gives alone (computed locally first); bad ones (each kind of invalid field) must be refused with a
-message naming the field; cancelled ones (a gRPC stream to the `spork` model, cancelled after its first response)
-must free their slot. Counted: lost (no answer, or an answer of the wrong kind), garbled (not valid text, or
-U+FFFD), wrong (a different text). The server's resident memory is sampled every few seconds; growth is measured
-from the end of warm-up (the first fifth of the run). After the run the slots in use must come back to 0.
+Valid requests (greedy, or seeded sampling in plain mode; a few prompts and lengths; every protocol) must come back
+with exactly the text the same request gives alone (plain decoding, computed locally first), or be refused as
+unavailable when every slot and the queue are full (counted: refused; the clients do not retry here); bad ones
+(each kind of invalid field or tensor: tiny, huge and NaN temperatures, ids outside the vocabulary sent to the
+`spork` model, wrong shapes and dtypes, unknown inputs, text too large to tokenize) must be refused with a message
+naming it; cancelled ones (a gRPC stream to the `spork` model, cancelled after its first response) must free their
+slot; deadline ones (a long greedy request with a deadline of a fraction of a second) must end with stop reason
+`timeout` (or finish first) and a prefix of the plain text. Counted: lost (no answer, or an answer of the wrong
+kind), garbled (not valid text, or U+FFFD), wrong (a different text). The server's resident memory is sampled
+every few seconds; growth is measured from the end of warm-up (the first fifth of the run). After the run the
+slots in use must come back to 0.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import numpy as np
 
 from spork_trt import atomic
 from spork_trt.client import ClientConfig, query
-from spork_trt.errors import UserError
+from spork_trt.errors import RETRY_HINTS, UserError
 
 from .prompts import git_sha, load_prompts
 from .run import command
@@ -30,9 +36,23 @@ from .serve import tree_rss_mb
 
 LENGTHS = (8, 24)
 PROTOCOLS = (("grpc", True), ("grpc", False), ("http", False), ("generate", False), ("generate", True))
+SAMPLED = dict(temperature=0.8, top_p=0.95)  # the sampled requests' settings (each with a seed of SEEDS)
+SEEDS = (1, 2)
+DEADLINE = (0.3, 200)  # a deadline request: seconds, max_tokens
 BAD = (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 2.0}, "top_p"),
        ({"temperature": 1e-38}, "temperature"),  # overflowed to NaN in the step, failing the batch, before the edge
+       ({"temperature": float("nan")}, "temperature"), ({"temperature": 1e39}, "temperature"),  # inf in fp32
+       ({"top_k": -1}, "top_k"), ({"deadline_s": -1.0}, "timeout_s"),
        ({"spec_mode": "warp"}, "spec_mode"), ({"max_tokens": 100_000}, "max_tokens"))
+TEXT = (np.array([[b"hi"]], np.object_), "BYTES")
+# tensors no client config can express, sent to ensemble_unary (or `spork` for input_ids): (inputs, the name the
+# refusal must carry)
+RAW_BAD = (({"text_input": TEXT, "bogus": (np.array([[1]], np.int32), "INT32")}, "bogus"),
+           ({"text_input": TEXT, "max_tokens": (np.array([[8, 9]], np.int32), "INT32")}, "max_tokens"),
+           ({"text_input": TEXT, "max_tokens": (np.array([[8.0]], np.float32), "FP32")}, "max_tokens"),
+           ({"text_input": (np.array([[b"a" * (2 << 20)]], np.object_), "BYTES")}, "text_input"),
+           ({"input_ids": (np.array([[10 ** 9]], np.int32), "INT32")}, "input_ids"),
+           ({"input_ids": (np.array([[-5]], np.int32), "INT32")}, "input_ids"))
 
 
 def gauge(metrics_port: int, name: str) -> float:
@@ -43,8 +63,9 @@ def gauge(metrics_port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
-def cancelled_stream(server, ids: list[int]) -> bool:
-    """A long greedy stream to `spork`, cancelled after its first response; True when that response came."""
+def cancelled_stream(server, ids: list[int]) -> str | None:
+    """A long greedy stream to `spork`, cancelled after its first response; None when that response came, else the
+    error it got instead."""
     import tritonclient.grpc as grpcclient
 
     inputs = [grpcclient.InferInput("input_ids", [1, len(ids)], "INT32"),
@@ -58,14 +79,33 @@ def cancelled_stream(server, ids: list[int]) -> bool:
         c.async_stream_infer("spork", inputs)
         result, error = got.get(timeout=600)
         c.stop_stream(cancel_requests=True)
-        return error is None
+        return None if error is None else error.message()
     finally:
         c.close()
 
 
+def raw_infer(server, inputs: dict) -> str:
+    """tritonclient HTTP infer with hand-made tensors (to `spork_unary` when they hold input_ids, else
+    `ensemble_unary`); the refusal's message, '' when answered."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    with httpclient.InferenceServerClient(server.http_url) as c:
+        tensors = []
+        for name, (arr, dtype) in inputs.items():
+            tensors.append(httpclient.InferInput(name, list(arr.shape), dtype))
+            tensors[-1].set_data_from_numpy(arr)
+        try:
+            c.infer("spork_unary" if "input_ids" in inputs else "ensemble_unary", tensors)
+            return ""
+        except InferenceServerException as e:
+            return e.message()
+
+
 class Tally:
     def __init__(self) -> None:
-        self.counts = {k: 0 for k in ("valid", "bad", "cancelled", "lost", "garbled", "wrong", "bad_unnamed")}
+        self.counts = {k: 0 for k in ("valid", "sampled", "deadline", "refused", "bad", "cancelled", "lost", "garbled",
+                                      "wrong", "bad_unnamed")}
         self.lock = threading.Lock()
         self.examples: list[str] = []
 
@@ -76,68 +116,108 @@ class Tally:
                 self.examples.append(example)
 
 
-def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally, mix: tuple[float, float]) -> None:
+def refusal(tally: Tally) -> None:
+    """A request refused as unavailable (every slot and the queue full): counted, then a pause before the next, as a
+    client backing off would."""
+    tally.add("refused")
+    time.sleep(0.05)
+
+
+def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally, mix: tuple[float, ...]) -> None:
+    """Requests in a loop until `deadline`, each kind drawn by `mix` (bad, cancelled, deadline, sampled shares; the
+    rest greedy)."""
     rng = random.Random(k)
-    prompts = sorted({p for p, _ in refs})
+    prompts = sorted({p for p, *_ in refs})
     while time.monotonic() < deadline:
-        roll = rng.random()
-        prompt = rng.choice(prompts)
+        roll, prompt = rng.random(), rng.choice(prompts)
+        protocol, stream = rng.choice(PROTOCOLS)
+        url = server.grpc_url if protocol == "grpc" else server.http_url
         if roll < mix[0]:  # bad input
-            over, field = rng.choice(BAD)
-            protocol, stream = rng.choice(PROTOCOLS)
-            try:
-                query(prompt, ClientConfig(url=server.grpc_url if protocol == "grpc" else server.http_url,
-                                           protocol=protocol, stream=stream, **{"max_tokens": 8, **over}))
-                tally.add("lost", f"bad {over} answered as valid")
-            except UserError as e:
-                tally.add("bad" if field in str(e) else "bad_unnamed", None if field in str(e) else str(e))
+            if rng.random() < 0.5:
+                inputs, field = rng.choice(RAW_BAD)
+                message = raw_infer(server, inputs)
+            else:
+                over, field = rng.choice(BAD)
+                try:
+                    query(prompt, ClientConfig(url=url, protocol=protocol, stream=stream, retries=0,
+                                               **{"max_tokens": 8, **over}))
+                    message = ""
+                except UserError as e:
+                    message = str(e)
+            if not message:
+                tally.add("lost", f"bad {field} answered as valid")
+            else:
+                tally.add("bad" if field in message else "bad_unnamed", None if field in message else message)
             continue
         if roll < mix[0] + mix[1]:  # cancelled
             try:
-                tally.add("cancelled" if cancelled_stream(server, ids[prompt]) else "lost", "cancel: no response")
+                error = cancelled_stream(server, ids[prompt])
             except Exception as e:  # noqa: BLE001 - any failure here is a lost request, counted
-                tally.add("lost", f"cancel: {e!r}")
+                error = repr(e)
+            if error and any(h in error for h in RETRY_HINTS):
+                refusal(tally)
+            else:
+                tally.add("lost" if error else "cancelled", error and f"cancel: {error}")
             continue
-        n = rng.choice(LENGTHS)
-        protocol, stream = rng.choice(PROTOCOLS)
+        kind, n, seed, over = "valid", rng.choice(LENGTHS), None, {}
+        if roll < sum(mix[:3]):
+            kind, n, over = "deadline", DEADLINE[1], {"deadline_s": DEADLINE[0]}
+        elif roll < sum(mix[:4]):
+            kind, seed, over = "sampled", rng.choice(SEEDS), {**SAMPLED, "spec_mode": "plain"}
         try:
-            text = query(prompt, ClientConfig(url=server.grpc_url if protocol == "grpc" else server.http_url,
-                                              protocol=protocol, stream=stream, max_tokens=n)).text
+            reply = query(prompt, ClientConfig(url=url, protocol=protocol, stream=stream, max_tokens=n, retries=0,
+                                               seed=seed, **over))
+        except UserError as e:
+            if any(h in str(e) for h in RETRY_HINTS):
+                refusal(tally)
+            else:
+                tally.add("lost", f"{protocol}: {e}")
+            continue
         except Exception as e:  # noqa: BLE001 - any failure of a valid request is a lost request, counted
             tally.add("lost", f"{protocol}: {e!r}")
             continue
-        if "\ufffd" in text:
-            tally.add("garbled", text)
-        elif text != refs[prompt, n]:
-            tally.add("wrong", f"{protocol} stream={stream}: {text!r} != {refs[prompt, n]!r}")
+        want = refs[prompt, n, seed]
+        if "\ufffd" in reply.text:
+            tally.add("garbled", reply.text)
+        elif reply.text != want and not (kind == "deadline" and reply.stop_reason == "timeout"
+                                          and want.startswith(reply.text)):
+            tally.add("wrong", f"{kind} {protocol} stream={stream}: {reply.text!r} != {want!r}")
         else:
-            tally.add("valid")
+            tally.add(kind)
 
 
 def main(a) -> int:
-    from spork_trt.config import GenerateConfig
+    from spork_trt.config import GenerateConfig, SamplingConfig
     from spork_trt.runtime import Runtime
     from spork_trt.serve import ServerConfig, TritonServer, free_port
     from spork_trt.triton_repo import RepoConfig, render
 
-    if a.clients < 1 or a.duration <= 0 or not 0 <= a.bad + a.cancel < 1:
-        raise UserError("--clients and --duration must be positive; --bad + --cancel must be in [0, 1)")
+    mix = (a.bad, a.cancel, a.deadline, a.sampled)
+    if a.clients < 1 or a.duration <= 0 or min(mix) < 0 or not sum(mix) < 1:
+        raise UserError("--clients and --duration must be positive; --bad, --cancel, --deadline and --sampled must "
+                        "be >= 0 with a sum below 1 (the rest: greedy requests)")
+    if a.max_queue is not None and a.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {a.max_queue}")
     engines = Path(a.engines or "engines/default")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rt = Runtime.from_engines(engines)
     prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
-    print(f"[bench soak] plain greedy references for {len(prompts)} prompts", file=sys.stderr, flush=True)
+    print(f"[bench soak] plain references (greedy and seeded) for {len(prompts)} prompts", file=sys.stderr,
+          flush=True)
     ids = {p: rt.tokenizer.encode_prompt(p) for p in prompts}
-    refs = {(p, n): rt.generate(ids[p], GenerateConfig(max_new_tokens=n)).text for p in prompts for n in LENGTHS}
+    asks = [(n, None) for n in (*LENGTHS, DEADLINE[1])] + [(n, s) for n in LENGTHS for s in SEEDS]
+    refs = {(p, n, s): rt.generate(ids[p], GenerateConfig(max_new_tokens=n, sampling=SamplingConfig(
+        **(SAMPLED if s is not None else {}), seed=s))).text for p in prompts for n, s in asks}
     del rt
-    repo = render(RepoConfig(engines, out / "repo", slots=a.slots, max_queue=max(64, a.clients)))
+    queue_cap = max(64, a.clients) if a.max_queue is None else a.max_queue
+    repo = render(RepoConfig(engines, out / "repo", slots=a.slots, max_queue=queue_cap))
     cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     tally, rss = Tally(), []
     with TritonServer(cfg) as server:
         t0 = time.monotonic()
         deadline = t0 + a.duration
-        threads = [threading.Thread(target=client, args=(k, server, refs, ids, deadline, tally, (a.bad, a.cancel)))
+        threads = [threading.Thread(target=client, args=(k, server, refs, ids, deadline, tally, mix))
                    for k in range(a.clients)]
         for t in threads:
             t.start()
@@ -154,8 +234,8 @@ def main(a) -> int:
             time.sleep(0.5)  # the metrics gauge is published twice a second
     warm = next((r for t, r, _ in rss if t >= a.duration / 5), rss[0][1])
     summary = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-               "clients": a.clients, "duration_s": a.duration, "slots": a.slots, "mix": {"bad": a.bad,
-               "cancel": a.cancel}, "counts": tally.counts, "examples": tally.examples,
+               "clients": a.clients, "duration_s": a.duration, "slots": a.slots, "max_queue": queue_cap,
+               "mix": dict(zip(("bad", "cancel", "deadline", "sampled"), mix)), "counts": tally.counts, "examples": tally.examples,
                "slots_in_use_after": slots, "rss_after_warmup_mb": warm, "rss_end_mb": rss[-1][1],
                "rss_growth_after_warmup": round(rss[-1][1] / warm - 1, 4), "rss_samples": rss,
                "command": command()}
@@ -163,7 +243,8 @@ def main(a) -> int:
     plot(rss, out / "soak_rss.png")
     c = tally.counts
     print(json.dumps(summary) if a.json else
-          f"{c['valid']} valid, {c['bad']} bad refused naming the field, {c['cancelled']} cancelled; lost "
+          f"{c['valid']} greedy, {c['sampled']} sampled and {c['deadline']} deadline requests right, {c['refused']} "
+          f"refused as unavailable, {c['bad']} bad refused naming the field, {c['cancelled']} cancelled; lost "
           f"{c['lost']}, garbled {c['garbled']}, wrong {c['wrong']}, bad without the field named "
           f"{c['bad_unnamed']}; slots in use after: {slots:.0f}; RSS {warm:.0f} -> {rss[-1][1]:.0f} MB "
           f"({summary['rss_growth_after_warmup']:+.1%} after warm-up)")

@@ -42,7 +42,8 @@ class ClientConfig:
     seed: int | None = None
     stop_words: tuple[str, ...] = ()  # the answer ends where the first one starts
     spec_mode: str | None = None  # spork | plain; None: the server's default (spork)
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # this client's own wait for the server
+    deadline_s: float | None = None  # the server ends the request after this long (Triton input timeout_s)
     retries: int = 3  # times a request with no answer yet is sent again (see the module doc)
     backoff_s: float = 0.5  # before retry k (from 0): backoff_s * 2**k, plus up to half of it at random
 
@@ -86,6 +87,8 @@ def request_values(prompt: str, cfg: ClientConfig) -> dict[str, tuple[np.ndarray
         v["seed"] = (np.array([[cfg.seed]], np.uint64), "UINT64")
     if cfg.stop_words:
         v["stop_words"] = (np.array([[s.encode("utf-8") for s in cfg.stop_words]], np.object_), "BYTES")  # [1, n]
+    if cfg.deadline_s is not None:
+        v["timeout_s"] = (np.array([[cfg.deadline_s]], np.float32), "FP32")
     if cfg.spec_mode is not None:
         v["spec_mode"] = (np.array([[cfg.spec_mode.encode()]], np.object_), "BYTES")
     return v
@@ -256,6 +259,9 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
                         raise failure(f"server error: {event['error']}", col,
                                       any(h in event["error"] for h in RETRY_HINTS))
                     col.add(event)
+            if not col.reply.stop_reason:  # the connection closed before the final event (a replica died)
+                raise failure(f"the stream from Triton at {cfg.address} ended before its final response", col,
+                              retry=True)
     except urllib.error.HTTPError as e:
         message = error_message(e.read(), e.reason)
         raise failure(f"server error (HTTP {e.code}): {message}", col,

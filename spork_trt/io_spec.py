@@ -279,3 +279,16 @@ ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)
 # entry points over the same steps: `ensemble` (decoupled spork step: streaming, generate, generate_stream) and
 # `ensemble_unary` (spork_unary step: exactly one response, for ModelInfer over HTTP and gRPC).
 ENTRY_POINTS = {"ensemble": "spork", "ensemble_unary": "spork_unary"}
+
+
+def error_kind(message: str) -> str:
+    """What an error answer of the `spork` step was, from its message alone: spork_unary's BLS call receives every
+    error as INTERNAL (Triton 2.51) and answers with this kind's code. "unavailable": a refusal to retry
+    (errors.RETRY_HINTS); "invalid": a bad field (a FieldError's message starts with the name of one of the step's
+    inputs); else "internal"."""
+    from .errors import RETRY_HINTS
+
+    if any(h in message for h in RETRY_HINTS):
+        return "unavailable"
+    spork = next(s for s in TRITON_STEPS if s.name == "spork")
+    return "invalid" if message.split(" ", 1)[0] in {t.name for t in spork.inputs} else "internal"

@@ -98,3 +98,13 @@ def test_a_repository_rendered_by_another_version_is_rendered_again(default_engi
     (repo / "spork" / "1" / "model.py").write_text("# an older adapter\n")
     assert not adapters_current(repo)
     assert ensure_rendered(cfg) == repo and adapters_current(repo)
+
+
+def test_a_spork_error_s_kind_is_found_from_its_message():
+    from spork_trt.io_spec import error_kind
+
+    assert error_kind("input_ids must be token ids in [0, 49152), got -5 at position 0") == "invalid"
+    assert error_kind("temperature must be >= 0.01 and finite, or 0 for greedy, got nan") == "invalid"
+    assert error_kind("all 2 slots are in use and 1 requests wait for one (max_queue): retry later") == "unavailable"
+    assert error_kind("the server is shutting down: retry on another instance") == "unavailable"
+    assert error_kind("internal error in request 3f2a: the server logged the detail (quote this id)") == "internal"

@@ -398,6 +398,20 @@ def test_cancelled_stream_frees_its_request(server, default_tokenizer):
         time.sleep(0.2)
 
 
+def test_ids_outside_the_vocabulary_sent_to_spork_unary_are_a_400_naming_them(server):
+    """The BLS call inside spork_unary hands it every error as INTERNAL: the code is found again from the message
+    (io_spec.error_kind), so a bad field stays a 400 and a full queue a 503."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    with httpclient.InferenceServerClient(server.http_url) as c:
+        ids = httpclient.InferInput("input_ids", [1, 2], "INT32")
+        ids.set_data_from_numpy(np.array([[5, 10 ** 9]], np.int32))
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("spork_unary", [ids])
+    assert e.value.status() == "400" and e.value.message().startswith("input_ids must be token ids")
+
+
 def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
     ports = [str(free_port()) for _ in range(3)]
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),

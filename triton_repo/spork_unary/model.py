@@ -8,6 +8,7 @@ from spork_trt import io_spec
 
 STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
 OUTPUTS = [t.name for t in STEP.outputs]
+CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}  # names in pb_utils.TritonError
 
 
 class TritonPythonModel:
@@ -26,8 +27,10 @@ class TritonPythonModel:
         call = pb_utils.InferenceRequest(model_name="spork", inputs=inputs, requested_output_names=OUTPUTS)
         last = None
         for r in call.exec(decoupled=True):  # one response with the outputs, then (maybe) an empty final flag
-            if r.has_error():
-                return pb_utils.InferenceResponse(error=r.error())
+            if r.has_error():  # its code is lost in the BLS call: found again from the message (io_spec.error_kind)
+                message = r.error().message()
+                code = getattr(pb_utils.TritonError, CODES[io_spec.error_kind(message)])
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
             if r.output_tensors():
                 last = r
         if last is None:
