@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
-from .serve import GUARD_MARGIN_S, ServerConfig, TritonServer, free_port, kill_group, refuse_ports_in_use
+from .serve import GUARD_MARGIN_S, Addressed, ServerConfig, TritonServer, free_port, kill_group, refuse_ports_in_use
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def find_haproxy() -> str:
     return path
 
 
-class ReplicaSet:
+class ReplicaSet(Addressed):
     """`n` TritonServers on loopback ports of their own behind haproxy on `cfg`'s public ports; the same surface as
     one TritonServer (start, stop, http_url, grpc_url, alive)."""
 
@@ -81,14 +81,6 @@ class ReplicaSet:
                                              metrics_port=free_port(),
                                              log_file=cfg.log.with_name(f"tritonserver.r{i}.log")))
                         for i in range(n)]
-
-    @property
-    def http_url(self) -> str:
-        return f"{self.cfg.host}:{self.cfg.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.cfg.host}:{self.cfg.grpc_port}"
 
     @property
     def config_file(self) -> Path:

@@ -153,15 +153,10 @@ def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
         pass
 
 
-class TritonServer:
-    """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
+class Addressed:
+    """The addresses clients use of a server (or a set of them) configured by `cfg`."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
-        from .triton_repo import is_rendered
-
-        if not is_rendered(cfg.repo):
-            raise UserError(f"{cfg.repo} is not a rendered repository: run `python -m export triton` first")
-        self.cfg, self.proc = cfg, None
+    cfg: ServerConfig
 
     @property
     def http_url(self) -> str:
@@ -170,6 +165,17 @@ class TritonServer:
     @property
     def grpc_url(self) -> str:
         return f"{self.cfg.host}:{self.cfg.grpc_port}"
+
+
+class TritonServer(Addressed):
+    """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        from .triton_repo import is_rendered
+
+        if not is_rendered(cfg.repo):
+            raise UserError(f"{cfg.repo} is not a rendered repository: run `python -m export triton` first")
+        self.cfg, self.proc = cfg, None
 
     def start(self) -> TritonServer:
         refuse_ports_in_use(self.cfg.host, {"--http-port": self.cfg.http_port, "--grpc-port": self.cfg.grpc_port,

@@ -17,6 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from bench.soak import raw_infer
 from spork_trt.client import ClientConfig, query
 from spork_trt.errors import UserError
 from spork_trt.serve import ServerConfig, TritonServer, free_port
@@ -122,23 +123,6 @@ def test_model_control_and_admin_apis_are_closed(server, local):
         assert g.is_model_ready("spork") and g.is_model_ready("ensemble")
     prompt = mt_bench_prompts(1)[0]
     assert query(prompt, cfg(server, "http")).text == local(prompt)
-
-
-def raw_infer(server, inputs: dict[str, tuple[np.ndarray, str]]) -> str:
-    """tritonclient HTTP infer with hand-made tensors; returns the error message ('' on success)."""
-    import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
-
-    with httpclient.InferenceServerClient(server.http_url) as c:
-        tensors = []
-        for name, (arr, dtype) in inputs.items():
-            tensors.append(httpclient.InferInput(name, list(arr.shape), dtype))
-            tensors[-1].set_data_from_numpy(arr)
-        try:
-            c.infer("ensemble_unary", tensors)
-            return ""
-        except InferenceServerException as e:
-            return e.message()
 
 
 def test_bad_input_is_an_error_naming_the_problem_while_others_carry_on(server, local):
