@@ -76,6 +76,7 @@ class ReplicaSet(Addressed):
         if not 2 <= n <= 16:
             raise UserError(f"--replicas must be in 2..16 (1: one server, no load balancer), got {n}")
         self.cfg, self.balancer, self.lb = cfg, balancer, None
+        self.reported: set[int] = set()  # replicas whose exit alive() has reported
         self.haproxy = find_haproxy()
         self.servers = [TritonServer(replace(cfg, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
                                              metrics_port=free_port(),
@@ -87,8 +88,13 @@ class ReplicaSet(Addressed):
         return self.cfg.log.with_name("haproxy.cfg")
 
     def alive(self) -> bool:
-        """haproxy runs and at least one replica does."""
-        return self.lb is not None and self.lb.poll() is None and any(s.proc.poll() is None for s in self.servers)
+        """haproxy runs and at least one replica does; a replica found exited is reported once on stderr."""
+        for i, s in enumerate(self.servers):
+            if s.proc is not None and s.proc.poll() is not None and i not in self.reported:
+                self.reported.add(i)
+                print(f"replica r{i} exited (code {s.proc.returncode}); haproxy routes around it; its log: "
+                      f"{s.cfg.log}", file=sys.stderr, flush=True)
+        return self.lb is not None and self.lb.poll() is None and any(s.alive() for s in self.servers)
 
     def start(self) -> ReplicaSet:
         refuse_ports_in_use(self.cfg.host, {"--http-port": self.cfg.http_port, "--grpc-port": self.cfg.grpc_port})

@@ -97,7 +97,11 @@ def test_two_replicas_share_the_load_and_one_killed_loses_no_request(default_eng
         assert wait_group_gone(tritons[0], 10) == []
         got = [ask(q, proto) for q, proto in jobs]
         assert got == [want[q] for q, _ in jobs]
-        assert p.poll() is None  # the set serves on with one replica
+        assert p.poll() is None  # the set serves on with one replica, and says which one left
+        deadline = time.monotonic() + 10
+        while not re.search(r"replica r\d exited \(code", (tmp_path / "launcher.err").read_text()):
+            assert time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()
+            time.sleep(0.2)
     finally:
         p.send_signal(signal.SIGINT)
         try:
