@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
-from .serve import GUARD_MARGIN_S, Addressed, ServerConfig, TritonServer, free_port, kill_group, refuse_ports_in_use
+from .serve import (GUARD_MARGIN_S, Addressed, ServerConfig, TritonServer, find_binary, free_port, kill_group,
+                    refuse_ports_in_use)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class ReplicaSet(Addressed):
                                  text=True)
         if checked.returncode != 0:
             raise UserError(f"haproxy refused {self.config_file}: {checked.stderr.strip() or checked.stdout.strip()}")
+        # once before the threads: sysconfig's first read of the interpreter's config is not thread-safe, and a
+        # replica whose read came back empty ran its stubs on another libpython (their `import ssl` failed)
+        find_binary()
         try:
             with ThreadPoolExecutor(len(self.servers)) as pool:  # the replicas load at the same time
                 list(pool.map(TritonServer.start, self.servers))
