@@ -28,7 +28,7 @@ import numpy as np
 
 from spork_trt import atomic
 from spork_trt.client import ClientConfig, query
-from spork_trt.errors import RETRY_HINTS, UserError
+from spork_trt.errors import UserError, retryable
 
 from .prompts import git_sha, load_prompts
 from .run import command
@@ -154,7 +154,7 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
                 error = cancelled_stream(server, ids[prompt])
             except Exception as e:  # noqa: BLE001 - any failure here is a lost request, counted
                 error = repr(e)
-            if error and any(h in error for h in RETRY_HINTS):
+            if error and retryable(error):
                 refusal(tally)
             else:
                 tally.add("lost" if error else "cancelled", error and f"cancel: {error}")
@@ -168,7 +168,7 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
             reply = query(prompt, ClientConfig(url=url, protocol=protocol, stream=stream, max_tokens=n, retries=0,
                                                seed=seed, **over))
         except UserError as e:
-            if any(h in str(e) for h in RETRY_HINTS):
+            if retryable(str(e)):
                 refusal(tally)
             else:
                 tally.add("lost", f"{protocol}: {e}")

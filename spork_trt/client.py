@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import RETRY_HINTS, Unanswered, UserError
+from .errors import Unanswered, UserError, retryable
 
 PROTOCOLS = ("http", "grpc", "generate")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "generate": 8000}
@@ -154,7 +154,7 @@ def server_failure(e, col: Collector) -> UserError:
     """A tritonclient InferenceServerException: retried when it says unavailable (HTTP 503, gRPC UNAVAILABLE or our
     RETRY_HINTS)."""
     message = e.message() or str(e)
-    retry = e.status() in ("503", "StatusCode.UNAVAILABLE") or any(h in message for h in RETRY_HINTS)
+    retry = e.status() in ("503", "StatusCode.UNAVAILABLE") or retryable(message)
     return failure(f"server error: {message}", col, retry)
 
 
@@ -257,7 +257,7 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
                     event = json.loads(line[5:])
                     if "error" in event:
                         raise failure(f"server error: {event['error']}", col,
-                                      any(h in event["error"] for h in RETRY_HINTS))
+                                      retryable(event["error"]))
                     col.add(event)
             if not col.reply.stop_reason:  # the connection closed before the final event (a replica died)
                 raise failure(f"the stream from Triton at {cfg.address} ended before its final response", col,
@@ -265,7 +265,7 @@ def generate_endpoint(values: dict, cfg: ClientConfig, col: Collector) -> None:
     except urllib.error.HTTPError as e:
         message = error_message(e.read(), e.reason)
         raise failure(f"server error (HTTP {e.code}): {message}", col,
-                      e.code == 503 or any(h in message for h in RETRY_HINTS)) from None
+                      e.code == 503 or retryable(message)) from None
     except urllib.error.URLError as e:
         raise failure(f"cannot reach Triton at {cfg.address} ({e.reason}): is `python -m spork_trt serve` running?",
                       col, retry=True) from None

@@ -25,6 +25,11 @@ class FieldError(UserError):
 RETRY_HINTS = ("retry later", "retry on another instance")
 
 
+def retryable(message: str) -> bool:
+    """The server's message says the request did nothing and may be sent again (RETRY_HINTS)."""
+    return any(h in message for h in RETRY_HINTS)
+
+
 class Unanswered(UserError):
     """A request that got no answer yet and may be sent again (refused as unavailable, or its connection failed
     before the first response)."""

@@ -286,9 +286,9 @@ def error_kind(message: str) -> str:
     error as INTERNAL (Triton 2.51) and answers with this kind's code. "unavailable": a refusal to retry
     (errors.RETRY_HINTS); "invalid": a bad field (a FieldError's message starts with the name of one of the step's
     inputs); else "internal"."""
-    from .errors import RETRY_HINTS
+    from .errors import retryable
 
-    if any(h in message for h in RETRY_HINTS):
+    if retryable(message):
         return "unavailable"
     spork = next(s for s in TRITON_STEPS if s.name == "spork")
     return "invalid" if message.split(" ", 1)[0] in {t.name for t in spork.inputs} else "internal"

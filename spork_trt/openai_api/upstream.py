@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import RETRY_HINTS
+from ..errors import retryable
 from ..tokenizer import Tokenizer, text_delta
 from .errors import ApiError, unavailable
 from .params import Job
@@ -83,7 +83,7 @@ class Stream:
 def upstream_error(message: str) -> ApiError:
     """A Triton error response: queue full or shutting down is a 503 to retry; anything else was validated here
     already, so it is the server's fault (its text stays in Triton's log, not in the response)."""
-    if any(h in message for h in RETRY_HINTS):
+    if retryable(message):
         return unavailable(f"the server is busy: {message}")
     return ApiError(500, "the model server failed this request: see its log", None, "upstream_error", "server_error")
 
