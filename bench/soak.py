@@ -146,6 +146,8 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
                     message = str(e)
             if not message:
                 tally.add("lost", f"bad {field} answered as valid")
+            elif retryable(message):  # refused before it was read: the queue in front of it was full
+                refusal(tally)
             else:
                 tally.add("bad" if field in message else "bad_unnamed", None if field in message else message)
             continue

@@ -105,6 +105,14 @@ def ensemble_config(name: str, spork: str):
     return c
 
 
+def bound_queue(c, size: int) -> None:
+    """Triton's queue in front of `c` holds at most `size` requests; beyond them a request is refused at once
+    (UNAVAILABLE) instead of waiting unbounded. A queue policy needs the dynamic batcher: it hands an instance what
+    waits, no delay (spork_unary answers a batch's requests concurrently)."""
+    c.dynamic_batching.max_queue_delay_microseconds = 0
+    c.dynamic_batching.default_queue_policy.max_queue_size = size
+
+
 @dataclass(frozen=True)
 class SporkModel:
     """What a rendered repository's `spork` model config says (read back, for the launcher, k8s and the API)."""
@@ -208,6 +216,9 @@ def render(cfg: RepoConfig) -> Path:
         configs += [(step_config(s, n, n == "spork", dict(params[n]), "KIND_GPU" if gpu and n == "spork" else
                                  "KIND_CPU"), n) for n in names]
     configs += [(ensemble_config(name, spork), None) for name, spork in io_spec.ENTRY_POINTS.items()]
+    for c, _ in configs:
+        if c.name == io_spec.ENTRY_POINTS["ensemble_unary"]:
+            bound_queue(c, max(cfg.max_queue, 1))
     for c, template in configs:
         d = repo / c.name
         (d / "1").mkdir(parents=True, exist_ok=True)

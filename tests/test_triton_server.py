@@ -477,3 +477,35 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
             return False
 
     assert not [q.info for q in psutil.process_iter(["pid", "name"]) if in_group(q)]
+
+
+def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_concurrently(default_engines, tmp_path,
+                                                                                          local):
+    """`ensemble_unary`: Triton's queue in front of spork_unary holds at most --max-queue requests (here 1, with one
+    spork_unary instance); beyond that a request is refused at once as unavailable instead of waiting unbounded, and
+    the requests one instance takes together are answered concurrently with plain greedy's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=16, max_queue=1, unary_instances=1))
+    prompts = mt_bench_prompts(12)
+    scfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                        log_file=tmp_path / "triton.log")
+
+    def ask(prompt: str):
+        t = time.perf_counter()
+        try:
+            return prompt, query(prompt, cfg(s, "http", retries=0)).text, time.perf_counter() - t
+        except UserError as e:
+            return prompt, e, time.perf_counter() - t
+
+    with TritonServer(scfg) as s, ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts))
+    refused = [(p, a, dt) for p, a, dt in answers if isinstance(a, Exception)]
+    served = [(p, a, dt) for p, a, dt in answers if not isinstance(a, Exception)]
+    assert len(refused) >= 3 and len(served) >= 2, [str(a)[:80] for _, a, _ in answers]
+    assert all("queue" in str(a) for _, a, _ in refused), [str(a) for _, a, _ in refused]
+    assert max(dt for _, _, dt in refused) < min(dt for _, _, dt in served)  # refused at once, not after waiting
+    for p, text, _ in served:
+        assert text == local(p)

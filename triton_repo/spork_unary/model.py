@@ -1,7 +1,10 @@
 """Triton python model `spork_unary`: the unary entry point (ModelInfer over HTTP and gRPC, which Triton refuses for
 an ensemble with a decoupled step). It loads no engine: each request goes to the decoupled `spork` model through a
 BLS call, so both entry points share one engine core and one KV pool, and the request's final response is
-returned. A thin adapter; several light instances serve requests concurrently."""
+returned. A thin adapter: the requests of a batch (the dynamic batcher's, which bounds the queue in front of it) are
+sent to `spork` together and awaited concurrently, and several light instances serve batches at once."""
+import asyncio
+
 import triton_python_backend_utils as pb_utils
 
 from spork_trt import io_spec
@@ -12,11 +15,11 @@ CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "IN
 
 
 class TritonPythonModel:
-    def execute(self, requests):
-        return [self.answer(r) for r in requests]
+    async def execute(self, requests):
+        return list(await asyncio.gather(*(self.answer(r) for r in requests)))
 
     @staticmethod
-    def answer(request):
+    async def answer(request):
         stream = pb_utils.get_input_tensor_by_name(request, "stream")
         if stream is not None and bool(stream.as_numpy().reshape(-1)[0]):
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(
@@ -26,7 +29,7 @@ class TritonPythonModel:
                   if t is not None]
         call = pb_utils.InferenceRequest(model_name="spork", inputs=inputs, requested_output_names=OUTPUTS)
         last = None
-        for r in call.exec(decoupled=True):  # one response with the outputs, then (maybe) an empty final flag
+        for r in await call.async_exec(decoupled=True):  # one response with the outputs, then (maybe) an empty final flag
             if r.has_error():  # its code is lost in the BLS call: found again from the message (io_spec.error_kind)
                 message = r.error().message()
                 code = getattr(pb_utils.TritonError, CODES[io_spec.error_kind(message)])
