@@ -291,3 +291,56 @@ def test_the_api_stops_with_serve(api, client):
     assert proc.wait(60) == 0, proc.err.read_text()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(base + "/health", timeout=5)
+
+
+@slow
+def test_a_full_queue_is_a_503_with_retry_after_and_the_others_are_answered(default_engines, tmp_path, reference):
+    """One slot and a queue of one: of 6 requests sent at once, the first is decoded, one waits, and the rest are
+    refused at once by the engine core's queue limit, which the API answers as OpenAI does a busy server (503,
+    `Retry-After`, an error object); the answered ones are plain greedy's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=1, max_queue=1))
+    ports = [free_port() for _ in range(4)]
+    err = tmp_path / "serve.err"
+    proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--repo", str(repo), "--log",
+                             str(tmp_path / "triton.log"), "--http-port", str(ports[0]), "--grpc-port",
+                             str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])],
+                            stderr=err.open("w"), text=True)
+    base = f"http://127.0.0.1:{ports[3]}"
+    prompt, tokens = "Write a short story about a lighthouse keeper.", 64
+
+    try:
+        deadline = time.monotonic() + 300
+        while "ready:" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: post_completion(base, model, prompt, tokens), range(6)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    codes = sorted(code for code, _, _ in answers)
+    assert codes.count(503) >= 3 and set(codes) == {200, 503}, codes
+    want = reference(reference.tok.encode_prompt(prompt, raw=True), tokens)[0]
+    for code, headers, body in answers:
+        if code == 503:
+            assert int(headers["retry-after"]) >= 1
+            assert body["error"]["type"] == "server_error" and "busy" in body["error"]["message"], body
+        else:
+            assert body["choices"][0]["text"] == want
+
+
+def post_completion(base: str, model: str, prompt: str, tokens: int):
+    """(status, headers by lower-case name, JSON body) of one non-streamed completion."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
