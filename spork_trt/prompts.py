@@ -1,9 +1,11 @@
-"""Prompt sets for benchmarks and calibration: ../shared/data (MT-bench first turns, HumanEval prompts) or any
-FastChat-style JSONL."""
+"""Prompt sets for benchmarks and calibration: ../shared/data (MT-bench first turns, HumanEval prompts), long
+inputs made from Python's own documentation (`long_docs`, and `rag_mix`: MT-bench with every third prompt a long
+one), or any FastChat-style JSONL."""
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 from .errors import UserError
@@ -16,6 +18,10 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     if name == "mt_bench":
         rows = read_jsonl(DATA / "mt_bench" / "question.jsonl")
         out = [{"id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
+    elif name == "long_docs":
+        out = long_docs()
+    elif name == "rag_mix":
+        out = rag_mix(load_prompts("mt_bench"), long_docs())
     elif name == "humaneval":
         with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
@@ -30,5 +36,42 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval or a JSONL path")
+        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval, long_docs, rag_mix or a JSONL path")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+LONG_CHARS = (3200, 6000)  # a long prompt's document: about 700 to 1,500 tokens of the default model
+LONG_TASKS = ("Summarize the following section of the Python documentation in three sentences.\n\n{doc}",
+              "Using only the documentation below, explain what it says about {topic}, with one short example."
+              "\n\nDocumentation:\n{doc}")
+
+
+def long_docs() -> list[dict]:
+    """Summarization and RAG-style prompts over windows of Python's language reference (pydoc_data.topics, the text
+    `help()` shows; no learned artifact draws on it), the two tasks alternating; each window is whole paragraphs of
+    one topic, LONG_CHARS long. The set follows the Python version's documentation."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for topic in sorted(topics):
+        doc = ""
+        for para in re.split(r"\n\s*\n", topics[topic]):
+            doc = f"{doc}\n\n{para.strip()}" if doc else para.strip()
+            if len(doc) >= LONG_CHARS[0]:
+                task = LONG_TASKS[len(out) % len(LONG_TASKS)]
+                out.append({"id": f"{topic}-{len(out)}", "category": "long",
+                            "prompt": task.format(doc=doc[:LONG_CHARS[1]], topic=topic.replace("-", " "))})
+                doc = ""
+    return out
+
+
+def rag_mix(short: list[dict], long: list[dict]) -> list[dict]:
+    """`short` with every third prompt taken from `long` in order (a serving mix where a third of the inputs are
+    long documents), as long as both last."""
+    out, s, g = [], iter(short), iter(long)
+    for k in range(len(short) + len(long)):
+        row = next(g if k % 3 == 2 else s, None)
+        if row is None:
+            break
+        out.append(row)
+    return out

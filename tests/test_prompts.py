@@ -1,0 +1,32 @@
+"""Prompt sets: the long-document set is long (about 700 to 1,500 tokens of the default model, as the serving mix
+needs), its text is not in the shipped datastore's corpus (no learned artifact saw it), and the mix puts one long
+prompt in every three."""
+from __future__ import annotations
+
+from spork_trt import manifest as mf
+from spork_trt.export.artifacts import load_corpus, shipped
+from spork_trt.prompts import load_prompts
+
+GRAM = 12  # tokens: a run this long shared with the corpus would be copied text, not common phrasing
+
+
+def grams(ids, n: int = GRAM) -> set[tuple[int, ...]]:
+    return {tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)}
+
+
+def test_long_documents_are_long_and_not_in_the_shipped_corpus(default_tokenizer, default_checkpoint):
+    rows = load_prompts("long_docs")
+    ids = [default_tokenizer.encode_prompt(r["prompt"]) for r in rows]
+    assert len(rows) >= 64 and len({r["id"] for r in rows}) == len(rows)
+    assert 650 <= min(map(len, ids)) and max(map(len, ids)) <= 1500, sorted(map(len, ids))[::16]
+    corpus = load_corpus(shipped(mf.sha256(default_checkpoint.path)))
+    seen = grams(corpus.tolist())
+    docs = set().union(*(grams(default_tokenizer.encode_prompt(r["prompt"], raw=True)) for r in rows))
+    assert len(docs & seen) / len(docs) < 0.001  # a few boilerplate runs at most
+
+
+def test_the_rag_mix_is_one_long_prompt_in_three():
+    mix, long = load_prompts("rag_mix", 30), load_prompts("long_docs")
+    assert [r["category"] == "long" for r in mix] == [k % 3 == 2 for k in range(30)]
+    assert [r["prompt"] for r in mix[2::3]] == [r["prompt"] for r in long[:10]]
+    assert [r["prompt"] for r in mix if r["category"] != "long"] == [r["prompt"] for r in load_prompts("mt_bench", 20)]
