@@ -49,7 +49,8 @@ def token_specs(text: str) -> list[str]:
 
 
 def add_common(p) -> None:
-    p.add_argument("--prompts", default="mt_bench", help="mt_bench | humaneval | PATH.jsonl (comma list for run)")
+    p.add_argument("--prompts", default="mt_bench",
+                   help="mt_bench | humaneval | long_docs | rag_mix | PATH.jsonl (comma list for run)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

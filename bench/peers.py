@@ -3,7 +3,9 @@
 - `hf-greedy`, `hf-prompt-lookup`: transformers `generate` from the same checkpoint (`prompt_lookup_num_tokens=10`);
 - `llama-cpp`, `llama-cpp-prompt-lookup`: llama.cpp through llama-cpp-python on the same GGUF file, in its own
   precision (the default's Q4_1), all cores, its extra buffer types off (no_extra_buffer_types); the second with
-  its prompt lookup drafter (10 tokens);
+  its prompt lookup drafter (10 tokens); `llama-cpp-q8_0`, `llama-cpp-q4_0` (each also `-prompt-lookup`): the same
+  file quantized by llama.cpp itself (`llama_model_quantize`, its standard recipe for that type, requantizing the
+  checkpoint's blocks; cached under `ENGINES/peers/`);
 - `ort-genai`: onnxruntime-genai on an fp32 CPU model its builder makes from the same checkpoint (cached under
   `ENGINES/peers/`).
 
@@ -83,11 +85,38 @@ def hf_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------------------------
-def llama_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
-    peer = "llama-cpp" + ("-prompt-lookup" if lookup else "")
+LLAMA_TYPES = ("q8_0", "q4_0")  # the precisions llama.cpp is also measured at, beside the checkpoint's own
+
+
+def llama_peer_name(ftype: str, lookup: int) -> str:
+    return "llama-cpp" + (f"-{ftype}" if ftype else "") + ("-prompt-lookup" if lookup else "")
+
+
+def llama_quantized(llama_cpp, src: Path, ftype: str, cache: Path) -> Path:
+    """`src` quantized to `ftype` by llama.cpp (its default recipe for that type), made once under `cache`."""
+    out = cache / f"{src.stem}.llama-{ftype}.gguf"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.allow_requantize = True  # the checkpoint is block-quantized already: dequantized, then quantized
+    params.nthread = os.cpu_count() or 1
+    tmp = out.with_suffix(".part")
+    print(f"[bench] llama.cpp quantizing {src.name} to {ftype} in {out} (once)", file=sys.stderr)
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"llama.cpp could not quantize {src} to {ftype}")
+    tmp.replace(out)
+    return out
+
+
+def llama_runner(ftype: str, lookup: int, ck: Checkpoint, cache: Path) -> Run:
+    peer = llama_peer_name(ftype, lookup)
     if ck.kind != "gguf":
         raise UserError(f"peer/{peer} runs GGUF files: this checkpoint is {ck.path} ({ck.kind})")
     llama_cpp = need("llama_cpp", peer)
+    path = llama_quantized(llama_cpp, ck.path, ftype, cache) if ftype else ck.path
     draft = {}
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -95,7 +124,7 @@ def llama_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
         draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
     cores = os.cpu_count() or 1
     with no_extra_buffer_types(llama_cpp):
-        llm = llama_cpp.Llama(model_path=str(ck.path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
                               verbose=False, **draft)
 
     def run(ids: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
@@ -183,7 +212,7 @@ def genai_runner(ck: Checkpoint, cache: Path) -> Run:
 PEERS = {
     "hf-greedy": Peer("transformers", partial(hf_runner, 0)),
     "hf-prompt-lookup": Peer("transformers", partial(hf_runner, LOOKUP)),
-    "llama-cpp": Peer("llama.cpp", partial(llama_runner, 0)),
-    "llama-cpp-prompt-lookup": Peer("llama.cpp", partial(llama_runner, LOOKUP)),
+    **{llama_peer_name(t, k): Peer("llama.cpp", partial(llama_runner, t, k))
+       for t in ("", *LLAMA_TYPES) for k in (0, LOOKUP)},
     "ort-genai": Peer("onnxruntime-genai", genai_runner),
 }
