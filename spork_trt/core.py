@@ -58,7 +58,7 @@ class CoreConfig:
     step_tokens: int = 384  # most tokens of a step's forward: every request's root, then prompt chunks, then nodes
     prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
     max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
-    prefix_reuse: bool = True  # a prompt starting with a finished request's rows reuses them (prefix_cache)
+    prefix_reuse: bool = True  # a prompt starting with a finished or running request's rows reuses them (prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,11 @@ class EngineCore:
         prefills only the rest (a drafter fed the target's hidden states needs every row's: it prefills all)."""
         while self.waiting and self.pool.free:
             r = self.waiting[0]
-            taken = self.prefixes.take(r.sub.prompt_ids, reuse=self.cfg.prefix_reuse and not wants_hidden(r))
+            reuse = self.cfg.prefix_reuse and not wants_hidden(r)
+            taken = self.prefixes.take(r.sub.prompt_ids, reuse=reuse)
+            if reuse:  # a running request may hold more of the prompt than any kept slot: its rows are copied
+                taken = self.prefixes.share(taken, r.sub.prompt_ids,
+                                            {a.slot: (*a.sub.prompt_ids, *a.stop.tokens) for a in self.active})
             self.waiting.popleft()
             r.slot, r.cache = taken.slot, self.pool.caches[taken.slot]
             r.prefilled = r.stats.cached_tokens = taken.reused

@@ -5,7 +5,9 @@ A request whose prompt starts with a kept sequence is admitted into that slot, i
 prefills only the rest: at least its last prompt token, whose logits pick the first new token. Only committed rows
 are ever kept (a tree's pending rows never are), and the index holds free slots only. A hit is checked token by token
 (the hashes only find candidates), so a hash collision cannot reuse a wrong row. A request without a hit takes an
-empty slot, else the least recently kept one, whose rows are evicted: reuse never blocks admission.
+empty slot, else the least recently kept one, whose rows are evicted: reuse never blocks admission. Requests still
+running share too: when one's committed rows hold a longer prefix of the prompt than any kept slot, they are copied
+into the slot taken (`share`), so concurrent requests with the same system prompt or document prefill it once.
 
 Rows computed while decoding (verified tree nodes) stand in for the rows a prefill would compute; the keystone
 tests hold the answers with reuse on equal to reuse off.
@@ -31,9 +33,10 @@ class Taken:
 class PrefixStats:
     """Counters since start (Prometheus counters, see triton_repo/spork/model.py)."""
 
-    hits: int = 0  # requests admitted onto kept rows
+    hits: int = 0  # requests admitted onto kept rows (or rows copied from a running request)
     reused_tokens: int = 0  # prompt tokens those did not prefill
     evictions: int = 0  # kept sequences dropped to admit another request
+    shared: int = 0  # requests whose rows were copied from a running request
 
 
 @dataclass
@@ -64,6 +67,22 @@ class PrefixCache:
         self.pool.take(slot)
         self.pool.caches[slot].truncate(n)
         return Taken(slot, n)
+
+    def share(self, taken: Taken, prompt: list[int], running: dict[int, tuple[int, ...]]) -> Taken:
+        """`taken`, or better: the longest prefix of `prompt` (at least one block, at most all but its last token)
+        that a running request's committed rows hold, when longer than what `taken` kept, copied into its slot.
+        `running`: slot -> the tokens its committed rows hold, from the first (prompt, then committed tokens)."""
+        caches, best, n = self.pool.caches, None, taken.reused
+        for slot, tokens in running.items():
+            m = common(tokens[:caches[slot].length], prompt, len(prompt) - 1)
+            if m >= BLOCK and m > n:
+                best, n = slot, m
+        if best is None or not caches[taken.slot].adopt(caches[best], n):
+            return taken
+        self.stats.hits += taken.reused == 0
+        self.stats.reused_tokens += n - taken.reused
+        self.stats.shared += 1
+        return Taken(taken.slot, n)
 
     def give_back(self, slot: int, tokens: list[int]) -> None:
         """A request leaves `slot`; `tokens`: what its committed rows hold (prompt, then committed tokens, as far as

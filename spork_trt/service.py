@@ -132,9 +132,10 @@ class Metrics:
     draft_tokens: int = 0  # draft tokens verified, all finished requests
     accepted_tokens: int = 0  # draft tokens accepted, all finished requests
     tokens_per_second: float = 0.0  # committed tokens per second over the last steps (moving average)
-    prefix_hits: int = 0  # requests admitted onto a finished request's KV rows (prefix_cache)
+    prefix_hits: int = 0  # requests admitted onto a finished (or running) request's KV rows (prefix_cache)
     prefix_reused_tokens: int = 0  # prompt tokens they did not prefill
     prefix_evictions: int = 0  # kept rows dropped to admit another request
+    prefix_shared: int = 0  # of the hits, requests whose rows were copied from a running request
     loop_up: int = 1  # 1 while the engine loop runs; 0 once it stopped (every request is then refused UNAVAILABLE)
 
 
@@ -302,7 +303,8 @@ class Service:
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
         m.steps += 1
         p = self.core.prefixes.stats
-        m.prefix_hits, m.prefix_reused_tokens, m.prefix_evictions = p.hits, p.reused_tokens, p.evictions
+        m.prefix_hits, m.prefix_reused_tokens, m.prefix_evictions, m.prefix_shared = p.hits, p.reused_tokens, \
+            p.evictions, p.shared
         m.active_steps += len(self.core.active) + len(finished)
         m.generated_tokens += new_tokens
         m.tokens_per_second = ema(m.tokens_per_second or None, new_tokens / max(step_s, 1e-9))

@@ -10,7 +10,7 @@ from spork_trt.config import GenerateConfig, SamplingConfig
 from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.prefix_cache import BLOCK, PrefixCache
 from spork_trt.request import Submission
-from tests.conftest import run_core
+from tests.conftest import core_requests, run_core
 from tests.test_core import drafter, engine, tiny  # noqa: F401 - the module's tiny models fixture
 
 FIRST = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -38,8 +38,9 @@ def test_a_second_turn_reuses_the_first_turn_s_rows_and_answers_the_same(tiny, k
         answers[reuse] = [first.token_ids, out[0].token_ids, out[1].token_ids]
         cached[reuse] = (out[0].stats.cached_tokens, core.prefixes.stats.hits, core.pool.in_use)
     assert answers[True] == answers[False]
-    # the first turn's rows: its prompt and answer as far as the target ran them (its last token never ran)
-    assert cached[True] == (len(FIRST) + 20 - 1, 1, 0) and cached[False] == (0, 0, 0)
+    # the first turn's rows: its prompt and answer as far as the target ran them (its last token never ran); the
+    # short prompt admitted beside it copies 19 of them from the running second turn (a second hit)
+    assert cached[True] == (len(FIRST) + 20 - 1, 2, 0) and cached[False] == (0, 0, 0)
 
 
 def test_eviction_is_least_recently_kept_and_never_blocks(tiny):  # noqa: F811
@@ -71,3 +72,19 @@ def test_a_hit_is_checked_token_by_token_and_keeps_the_last_prompt_token():
     assert cache.match(list(range(BLOCK - 1)) + [0, 1]) == (None, 0)  # under one block in common
     cache.kept[0] = (1,) * 40  # as if a hash collided: the tokens decide
     assert cache.match(list(range(40)))[0] == 1
+
+
+@pytest.mark.parametrize("kind,draft", [("onnx", "plain"), ("onnx", "ngram"), ("torch", "early")])
+def test_a_request_shares_the_rows_of_a_running_one(tiny, kind, draft):  # noqa: F811
+    """Two requests on one document, the second arriving while the first still runs: the first's committed rows are
+    copied into the second's slot, which prefills only the rest, and both answer exactly as with reuse off."""
+    doc = FIRST + FIRST[::-1][:5]  # 42 tokens, two whole blocks and more
+    subs = lambda: [ask(tiny, kind, doc + [1, 2, 3], draft, n=30), ask(tiny, kind, doc + [4, 5], draft, n=20)]  # noqa: E731
+    answers, cached = {}, {}
+    for reuse in (True, False):
+        core = EngineCore(engine(tiny, kind), 256, CoreConfig(slots=2, max_len=128, prefix_reuse=reuse))
+        reqs = core_requests(core, subs(), join_at={1: 3})
+        answers[reuse] = [r.result().token_ids for r in reqs]
+        cached[reuse] = (reqs[0].stats.cached_tokens, reqs[1].stats.cached_tokens, core.prefixes.stats.shared)
+    assert answers[True] == answers[False] and len(answers[True][0]) == 30
+    assert cached[True] == (0, len(doc), 1) and cached[False] == (0, 0, 0)

@@ -30,11 +30,14 @@ METRICS = (  # (name, kind, help, Metrics field)
     ("spork_steps_total", "COUNTER", "engine core steps", "steps"),
     ("spork_active_request_steps_total", "COUNTER", "requests in each step, summed over steps", "active_steps"),
     ("spork_generated_tokens_total", "COUNTER", "tokens committed, all requests", "generated_tokens"),
-    ("spork_prefix_cache_hits_total", "COUNTER", "requests admitted onto a finished request's KV rows", "prefix_hits"),
+    ("spork_prefix_cache_hits_total", "COUNTER", "requests admitted onto a finished or running request's KV rows",
+     "prefix_hits"),
     ("spork_prefix_cache_reused_tokens_total", "COUNTER", "prompt tokens not prefilled: their KV rows were reused",
      "prefix_reused_tokens"),
     ("spork_prefix_cache_evictions_total", "COUNTER", "kept KV rows dropped to admit another request",
      "prefix_evictions"),
+    ("spork_prefix_cache_shared_total", "COUNTER", "requests whose KV rows were copied from a running request",
+     "prefix_shared"),
 )
 
 
