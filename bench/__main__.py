@@ -194,8 +194,8 @@ def main(argv=None) -> int:
     cr.add_argument("--modes", default="spork,plain", help="two modes, one of them plain (default: %(default)s)")
     cr.add_argument("--draft", default=None, help="the spork drafter (default: the build's default)")
     cr.add_argument("--out", default="results/core")
-    ch = sub.add_parser("chat", help="two-turn MT-bench through the OpenAI API, prefix reuse on and off: TTFT per "
-                        "turn, tokens/s, cached share, same text", epilog=EXAMPLES,
+    ch = sub.add_parser("chat", help="two-turn MT-bench through the OpenAI API, prefix reuse on and off, spork and "
+                        "plain: TTFT per turn, tokens/s, cached share, same text", epilog=EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(ch)
     ch.set_defaults(limit=16, engines="engines/default")
@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     ch.add_argument("--slots", type=int, default=32, help="KV slots of the server (default: %(default)s)")
     ch.add_argument("--repeats", type=int, default=1,
                     help="measure reuse on and off this many times, their order alternating (default: %(default)s)")
+    ch.add_argument("--modes", default="spork,plain",
+                    help="spec_mode values, each on its own server (default: %(default)s)")
     ch.add_argument("--out", default="results/chat")
     ch.add_argument("--json", action="store_true")
     sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",

@@ -178,10 +178,11 @@ COMPAT_INPUTS = (
     CompatInput(TritonTensor("return_num_input_tokens", "BOOL", (1,), optional=True)),
     CompatInput(TritonTensor("return_num_output_tokens", "BOOL", (1,), optional=True)),
 )
+SERVED_MODES = ("spork", "plain")  # spec_mode values (the first the default); the lossy gate mode is never served
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
     MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, STOP_WORDS,
     TritonTensor("stream", "BOOL", (1,), optional=True),
-    TritonTensor("spec_mode", "STRING", (1,), optional=True),  # spork | plain
+    TritonTensor("spec_mode", "STRING", (1,), optional=True),  # SERVED_MODES
     TritonTensor("timeout_s", "FP32", (1,), optional=True),  # the request's deadline, at most the server's
     *(c.tensor for c in COMPAT_INPUTS),
 )

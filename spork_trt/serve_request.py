@@ -17,7 +17,6 @@ from .config import GenerateConfig, SpecConfig
 from .errors import FieldError, UserError
 from .io_spec import REQUEST_FIELDS, request_config
 
-SERVED_MODES = ("spork", "plain")  # the lossy gate mode is a local, opt-in experiment: never served
 Inputs = Mapping[str, "np.ndarray | None"]
 
 
@@ -109,8 +108,8 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     except FieldError as e:
         raise e.named(TENSOR_NAMES[e.field]) from None
     mode = scalar(inputs, "spec_mode", str, "spork")
-    if mode not in SERVED_MODES:
-        raise UserError(f"unknown spec_mode {mode!r}: use one of {', '.join(SERVED_MODES)}")
+    if mode not in io_spec.SERVED_MODES:
+        raise UserError(f"unknown spec_mode {mode!r}: use one of {', '.join(io_spec.SERVED_MODES)}")
     stream = bool(scalar(inputs, "stream", bool, False))
     if stream and not can_stream:
         raise UserError("stream=true needs the streaming model `ensemble`; `ensemble_unary` answers once")

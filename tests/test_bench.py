@@ -317,20 +317,27 @@ def test_bench_run_interleaves_rounds_on_the_real_engines(default_engines, tmp_p
     assert bad.returncode != 0 and "--rounds" in bad.stderr and not (tmp_path / "x").exists()
 
 
-def test_bench_chat_pairs_reuse_on_with_off_and_counts_differing_turns():
+def test_bench_chat_pairs_reuse_on_with_off_and_spork_with_plain_and_counts_differing_turns():
     from bench.chat import mismatches, ratios, table
 
-    def row(reuse, conc, ttft2, tps, texts):
+    def row(reuse, mode, conc, ttft2, tps, texts):
         turn = {"ttft_p50_s": ttft2, "ttft_p90_s": ttft2, "prompt_tokens": 100, "cached_tokens": 80 if reuse else 0}
-        return {"reuse": reuse, "concurrency": conc, "output_tokens_per_second": tps, "turn1": turn, "turn2": turn,
-                "texts": texts}
+        return {"reuse": reuse, "mode": mode, "concurrency": conc, "repeat": 0, "output_tokens_per_second": tps,
+                "turn1": turn, "turn2": turn, "texts": texts}
 
-    rows = [row(True, 1, 0.1, 60.0, [["a", "b"]]), row(False, 1, 0.4, 50.0, [["a", "b"]]),
-            row(True, 4, 0.2, 120.0, [["a", "b"], ["c", "x"]]), row(False, 4, 0.3, 100.0, [["a", "b"], ["c", "d"]])]
-    assert mismatches(rows) == 1
-    assert ratios(rows) == [{"concurrency": 1, "turn2_ttft_p50_on_over_off": 0.25, "tokens_per_second_on_over_off": 1.2},
-                            {"concurrency": 4, "turn2_ttft_p50_on_over_off": 0.667,
-                             "tokens_per_second_on_over_off": 1.2}]
+    rows = [row(True, "spork", 1, 0.1, 60.0, [["a", "b"]]), row(True, "plain", 1, 0.1, 40.0, [["a", "b"]]),
+            row(False, "spork", 1, 0.4, 50.0, [["a", "b"]]), row(False, "plain", 1, 0.4, 40.0, [["a", "y"]]),
+            row(True, "spork", 4, 0.2, 120.0, [["a", "b"], ["c", "x"]]),
+            row(True, "plain", 4, 0.2, 100.0, [["a", "b"], ["c", "x"]]),
+            row(False, "spork", 4, 0.3, 100.0, [["a", "b"], ["c", "d"]]),
+            row(False, "plain", 4, 0.3, 90.0, [["a", "b"], ["c", "d"]])]
+    assert mismatches(rows, "reuse") == 3  # spork at 4 clients (1), plain at 1 (1) and at 4 (1)
+    assert mismatches(rows, "mode") == 1  # reuse off at 1 client
+    assert ratios(rows) == [{"concurrency": 1, "mode": "spork", "turn2_ttft_p50_on_over_off": 0.25,
+                             "tokens_per_second_on_over_off": 1.2, "tokens_per_second_spork_over_plain": 1.5},
+                            {"concurrency": 4, "mode": "spork", "turn2_ttft_p50_on_over_off": 0.667,
+                             "tokens_per_second_on_over_off": 1.2, "tokens_per_second_spork_over_plain": 1.2}]
     text = table({"git_sha": "abc", "conversations": 2, "max_new_tokens": 8, "slots": 4, "levels": rows,
-                  "ratios": ratios(rows), "mismatches": 1})
-    assert "| on | 1 | 0.100 / 0.100 | 0.100 / 0.100 | 80% | 60.0 |" in text and "on / off 0.25x" in text
+                  "ratios": ratios(rows), "mismatches": {"reuse": 3, "mode": 1}})
+    assert "| on | spork | 1 | 0.100 / 0.100 | 0.100 / 0.100 | 80% | 60.0 |" in text and "on / off 0.25x" in text
+    assert "spork / plain (reuse on) 1.5x" in text and "between spork and plain: 1" in text

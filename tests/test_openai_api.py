@@ -132,6 +132,9 @@ def test_chat_equals_local_greedy_streamed_or_not(api, client, reference):
         assert metrics["speculative_decoding"]["steps"] >= 1
         # the same prompt again: it reuses the rows the first answer left (all but its last token), same text
         assert usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    plain = client.chat.completions.create(**kw, extra_body={"spec_mode": "plain"})  # the baseline: same text
+    assert plain.choices[0].message.content == want
+    assert plain.model_extra["metrics"]["speculative_decoding"]["draft_tokens"] == 0
 
 
 @slow
@@ -204,6 +207,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
         ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {**chat, "top_k": -1}, 400, "top_k"),
+        ("/v1/chat/completions", {**chat, "spec_mode": "gate"}, 400, "spec_mode"),
         ("/v1/chat/completions", {**chat, "seed": -3}, 400, "seed"),
         ("/v1/chat/completions", {**chat, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {**chat, "max_completion_tokens": 10**7}, 400, "max_completion_tokens"),

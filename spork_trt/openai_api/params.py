@@ -9,7 +9,7 @@ from typing import Any
 from ..admission import size_request
 from ..config import GenerateConfig, SpecConfig
 from ..errors import FieldError
-from ..io_spec import request_config
+from ..io_spec import SERVED_MODES, request_config
 from .errors import ApiError, bad_request
 from .model import ROLES, ServedModel
 
@@ -24,8 +24,8 @@ DEFAULT_ONLY: dict[str, tuple] = {
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 *SAMPLING},
-          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", *SAMPLING}}
+                 "spec_mode", *SAMPLING},
+          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", *SAMPLING}}
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Job:
     cfg: GenerateConfig  # max_new_tokens: what was asked for, else all that fits; stop_strings: `stop`
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    spec_mode: str = SERVED_MODES[0]  # extension, as the Triton input: spork or plain (the baseline, same text)
 
 
 def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
@@ -79,7 +80,11 @@ def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
     except FieldError as e:
         name = param if e.field == "prompt" else size_name
         raise bad_request(name, str(e.named(name)), "context_length_exceeded") from None
-    return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage)
+    mode = body.get("spec_mode") or SERVED_MODES[0]
+    if mode not in SERVED_MODES:
+        raise bad_request("spec_mode", f"spec_mode must be one of {', '.join(SERVED_MODES)}, got {mode!r}")
+    return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
+               mode)
 
 
 def flag(body: dict, key: str, param: str | None = None):

@@ -98,7 +98,8 @@ def inputs(job: Job) -> list:
               "temperature": (np.array([[s.temperature]], np.float32), "FP32"),
               "top_p": (np.array([[s.top_p]], np.float32), "FP32"),
               "top_k": (np.array([[s.top_k]], np.int32), "INT32"),
-              "stream": (np.array([[True]], np.bool_), "BOOL")}  # always: stop strings and cancellation need it
+              "stream": (np.array([[True]], np.bool_), "BOOL"),  # always: stop strings and cancellation need it
+              "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
     if s.seed is not None:
         values["seed"] = (np.array([[s.seed]], np.uint64), "UINT64")
     if job.cfg.stop_strings:  # the engine core ends the request there too, freeing its slot without a cancel
