@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,7 @@ class BalancerConfig:
     fall: int = 2  # failed checks before a replica leaves the rotation
     rise: int = 1  # passed checks before it comes back
     idle_timeout_s: float = 600.0  # a connection with nothing sent either way for this long is closed
+    restarts: int = 3  # times a replica that exits is started again (on its own ports; haproxy takes it back)
 
 
 def haproxy_config(host: str, http_port: int, grpc_port: int, replicas: list[ServerConfig],
@@ -78,6 +80,9 @@ class ReplicaSet(Addressed):
             raise UserError(f"--replicas must be in 2..16 (1: one server, no load balancer), got {n}")
         self.cfg, self.balancer, self.lb = cfg, balancer, None
         self.reported: set[int] = set()  # replicas whose exit alive() has reported
+        self.restarting: dict[int, threading.Thread] = {}  # replica -> the thread starting it again
+        self.restarted = [0] * n  # restarts so far, per replica
+        self.stopping = False
         self.haproxy = find_haproxy()
         self.servers = [TritonServer(replace(cfg, host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
                                              metrics_port=free_port(),
@@ -89,13 +94,35 @@ class ReplicaSet(Addressed):
         return self.cfg.log.with_name("haproxy.cfg")
 
     def alive(self) -> bool:
-        """haproxy runs and at least one replica does; a replica found exited is reported once on stderr."""
+        """haproxy runs and at least one replica does (or is being started again). A replica found exited is
+        reported once on stderr and started again in the background, up to `restarts` times."""
         for i, s in enumerate(self.servers):
-            if s.proc is not None and s.proc.poll() is not None and i not in self.reported:
+            if s.proc is not None and s.proc.poll() is not None and i not in self.reported and i not in \
+                    self.restarting:
                 self.reported.add(i)
+                again = not self.stopping and self.restarted[i] < self.balancer.restarts
                 print(f"replica r{i} exited (code {s.proc.returncode}); haproxy routes around it; its log: "
-                      f"{s.cfg.log}", file=sys.stderr, flush=True)
-        return self.lb is not None and self.lb.poll() is None and any(s.alive() for s in self.servers)
+                      f"{s.cfg.log}" + (f"; starting it again ({self.restarted[i] + 1} of {self.balancer.restarts})"
+                                        if again else ""), file=sys.stderr, flush=True)
+                if again:
+                    self.restarted[i] += 1
+                    self.restarting[i] = threading.Thread(target=self.restart, args=(i,), daemon=True)
+                    self.restarting[i].start()
+        up = any(s.alive() for s in self.servers) or any(t.is_alive() for t in self.restarting.values())
+        return self.lb is not None and self.lb.poll() is None and up
+
+    def restart(self, i: int) -> None:
+        """Start replica `i` again on its ports (its previous log kept as .1); haproxy's health check adds it back."""
+        s = self.servers[i]
+        kill_group(s.proc.pid)  # whatever of its group is left (stubs) goes first: the ports must be free
+        try:
+            s.start()
+            print(f"replica r{i} is serving again", file=sys.stderr, flush=True)
+        except (UserError, OSError) as e:
+            print(f"replica r{i} could not be started again: {e}", file=sys.stderr, flush=True)
+        finally:
+            self.reported.discard(i)
+            self.restarting.pop(i, None)
 
     def start(self) -> ReplicaSet:
         refuse_ports_in_use(self.cfg.host, {"--http-port": self.cfg.http_port, "--grpc-port": self.cfg.grpc_port})
@@ -142,6 +169,7 @@ class ReplicaSet(Addressed):
         """Every replica drains at once (each refuses new requests and turns not ready, so haproxy stops sending it
         any; in-flight ones finish within the drain timeout), then haproxy stops. Returns 0 when every replica
         stopped cleanly, else the first other exit code."""
+        self.stopping = True  # no replica is started again from here on
         with ThreadPoolExecutor(len(self.servers)) as pool:
             codes = list(pool.map(lambda s: s.stop(timeout_s), self.servers))
         if self.lb is not None:

@@ -1,6 +1,7 @@
 """`serve --replicas N`: N tritonservers behind a real haproxy. Its configuration is valid for haproxy itself; the
 replicas share the load over HTTP, gRPC streaming and the generate endpoints with the same answers; when one is
-killed, every request is still answered (haproxy's retries, then the client's); nothing outlives the launcher. The
+killed, every request is still answered (haproxy's retries, then the client's), and it is started again and takes its
+share of the load once more; nothing outlives the launcher. The
 client sends a request with no answer yet again, and reports an answer cut after its first response as
 incomplete."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from spork_trt.client import ClientConfig, Collector, failure, query
 from spork_trt.errors import Unanswered, UserError
-from spork_trt.replicas import ReplicaSet, find_haproxy, haproxy_config
+from spork_trt.replicas import BalancerConfig, ReplicaSet, find_haproxy, haproxy_config
 from spork_trt.serve import ServerConfig, free_port
 from tests.conftest import mt_bench_prompts
 from tests.test_serve_lifecycle import group_members, launch_all, wait_group_gone
@@ -102,6 +103,20 @@ def test_two_replicas_share_the_load_and_one_killed_loses_no_request(default_eng
         while not re.search(r"replica r\d exited \(code", (tmp_path / "launcher.err").read_text()):
             assert time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()
             time.sleep(0.2)
+        # and it is started again on its own ports, in a guarded group of its own, and haproxy takes it back
+        deadline = time.monotonic() + 180
+        while not re.search(r"replica r\d is serving again", (tmp_path / "launcher.err").read_text()):
+            assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "launcher.err").read_text()
+            time.sleep(0.5)
+        groups += [c.pid for c in psutil.Process(p.pid).children() if "server_guard" in " ".join(c.cmdline())
+                   and c.pid not in groups]
+        assert len(groups) == 4
+        time.sleep(2 * BalancerConfig.check_ms / 1000)  # haproxy's next health check marks it up
+        before = [served(m) for m in metrics]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda j: ask(*j), jobs))
+        assert got == [want[q] for q, _ in jobs]
+        assert all(served(m) > b for m, b in zip(metrics, before)), (before, [served(m) for m in metrics])
     finally:
         p.send_signal(signal.SIGINT)
         try:
