@@ -37,10 +37,26 @@ bench: setup
 	$(BIN)/python -m bench plain
 
 # the optional peers of `python -m bench run`: llama.cpp (compiled here, for this CPU: several minutes on 2 cores)
-# and onnxruntime-genai (--no-deps: it runs on the pinned onnxruntime)
-bench-peers: setup
+# and onnxruntime-genai (--no-deps: it runs on the pinned onnxruntime); and llama.cpp's own server for
+# `python -m bench serve-peers`, built (static, for this CPU, without its web UI) from the llama.cpp source that the
+# same llama-cpp-python release vendors
+LLAMA_SERVER := .cache/llama-server/bin/llama-server
+LLAMA_SRC := .cache/llama-server/src/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+bench-peers: setup $(LLAMA_SERVER)
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --quiet --disable-pip-version-check llama-cpp-python==0.3.36
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps onnxruntime-genai==0.18.0
+
+$(LLAMA_SERVER): | setup
+	rm -rf .cache/llama-server && mkdir -p .cache/llama-server/src .cache/llama-server/bin
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: llama-cpp-python==0.3.36 \
+	  -d .cache/llama-server/src
+	tar xzf .cache/llama-server/src/llama_cpp_python-0.3.36.tar.gz -C .cache/llama-server/src
+	cmake -S $(LLAMA_SRC) -B .cache/llama-server/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > .cache/llama-server/cmake.log
+	cmake --build .cache/llama-server/build --target llama-server -j $$(nproc) > .cache/llama-server/build.log
+	cp .cache/llama-server/build/bin/llama-server $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .grimp_cache .import_linter_cache

@@ -20,6 +20,7 @@ EXAMPLES = """examples:
                                                           # and off: turn-2 TTFT, tokens/s, cached share, lossless
   python -m bench core --concurrency 1,4,8 --rounds 3    # the engine core in process: spork vs plain per
                                                           # concurrency, priced by one fitted cost table (no drift)
+  make bench-peers && python -m bench serve-peers --concurrency 1,4,16   # ours vs llama.cpp's llama-server
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
   python -m bench failover --clients 16 --duration 60      # 2 replicas behind haproxy: one drained, one killed
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
@@ -207,6 +208,22 @@ def main(argv=None) -> int:
                     help="spec_mode values, each on its own server (default: %(default)s)")
     ch.add_argument("--out", default="results/chat")
     ch.add_argument("--json", action="store_true")
+    sp = sub.add_parser("serve-peers", help="our server against llama.cpp's llama-server, the same OpenAI-API load: "
+                        "tokens/s and TTFT per client count", epilog=EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(sp)
+    sp.set_defaults(limit=16, engines="engines/default")
+    sp.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default: %(default)s)")
+    sp.add_argument("--slots", type=int, default=16,
+                    help="requests each server decodes at once (ours: KV slots; llama-server: --parallel; default: "
+                         "%(default)s)")
+    sp.add_argument("--llama-type", default=None, help="q8_0 | q4_0: llama.cpp's requantization of the GGUF "
+                    "(default: the GGUF as built)")
+    sp.add_argument("--llama-server", default=None,
+                    help="the llama-server binary (default: .cache/llama-server/bin/llama-server, built by `make "
+                         "bench-peers`)")
+    sp.add_argument("--out", default="results/serve_peers")
+    sp.add_argument("--json", action="store_true")
     sk = sub.add_parser("soak", help="through Triton: N clients for a fixed time, valid + bad + cancelled requests",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(sk)
@@ -271,6 +288,10 @@ def main(argv=None) -> int:
             from . import chat
 
             return chat.main(args)
+        if args.command == "serve-peers":
+            from . import serve_peers
+
+            return serve_peers.main(args)
         if args.command == "soak":
             from . import soak
 

@@ -42,12 +42,13 @@ def conversations(name: str) -> list[tuple[str, str]]:
     return out
 
 
-def streamed(client, model: str, messages: list[dict], max_tokens: int, mode: str) -> dict:
-    """One streamed chat answer: its text, time to first token, tokens and usage."""
+def streamed(client, model: str, messages: list[dict], max_tokens: int, mode: str | None) -> dict:
+    """One streamed chat answer: its text, time to first token, tokens and usage (`mode`: our spec_mode extension,
+    None for another server)."""
     t0, first, text, usage = time.perf_counter(), None, [], None
     for c in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
-                                            extra_body={"spec_mode": mode}):
+                                            extra_body={"spec_mode": mode} if mode else None):
         if c.choices and c.choices[0].delta.content:
             first = first or time.perf_counter()
             text.append(c.choices[0].delta.content)

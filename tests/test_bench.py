@@ -41,6 +41,24 @@ def test_peer_stop_rule_and_missing_packages():
         need("no_such_peer_package", "llama-cpp")
 
 
+def test_serve_peers_without_llama_server_says_what_builds_it_and_starts_nothing(tmp_path):
+    missing = tmp_path / "llama-server"
+    r = subprocess.run([sys.executable, "-m", "bench", "serve-peers", "--llama-server", str(missing), "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"{missing} not found: `make bench-peers` builds" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_llama_cpp_peers_at_each_precision_are_named_and_cached(tmp_path):
+    from bench.peers import PEERS, llama_quantized
+
+    assert {"llama-cpp", "llama-cpp-q8_0", "llama-cpp-q4_0", "llama-cpp-q8_0-prompt-lookup",
+            "llama-cpp-q4_0-prompt-lookup"} <= set(PEERS)
+    made = tmp_path / "m.llama-q8_0.gguf"
+    made.write_bytes(b"x")  # already made once: not quantized again (llama.cpp is not even needed)
+    assert llama_quantized(None, tmp_path / "m.gguf", "q8_0", tmp_path) == made
+
+
 def test_llama_cpp_peer_wants_a_gguf(tmp_path):
     from bench.peers import PEERS
     from spork_trt.weights import Checkpoint
