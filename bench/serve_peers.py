@@ -17,8 +17,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,18 +91,13 @@ def llama(binary: Path, gguf: Path, out: Path, prompts: list[str], levels: list[
 
 
 def wait_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UserError(f"llama-server exited with code {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise UserError(f"llama-server was not ready within {timeout_s:.0f} s; see {log}")
+    from spork_trt.serve import wait_http_ok
+
+    state = wait_http_ok(url, proc, timeout_s)
+    if state == "exited":
+        raise UserError(f"llama-server exited with code {proc.returncode}; see {log}")
+    if state == "timeout":
+        raise UserError(f"llama-server was not ready within {timeout_s:.0f} s; see {log}")
 
 
 def table(s: dict) -> str:

@@ -18,16 +18,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
 from .serve import (GUARD_MARGIN_S, Addressed, ServerConfig, TritonServer, find_binary, free_port, kill_group,
-                    refuse_ports_in_use)
+                    refuse_ports_in_use, wait_http_ok)
 
 
 @dataclass(frozen=True)
@@ -152,18 +149,12 @@ class ReplicaSet(Addressed):
             self.lb = subprocess.Popen(guard + [self.haproxy, "-db", "-f", str(self.config_file)],
                                        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:  # ready once it routes a readiness check to a ready replica
-            if self.lb.poll() is not None:
-                raise UserError(f"haproxy exited with code {self.lb.returncode}; see {self.cfg.log.parent}/haproxy.log")
-            try:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise UserError(f"haproxy on {self.http_url} routed no readiness check to a replica within 30 s")
+        # ready once it routes a readiness check to a ready replica
+        state = wait_http_ok(f"http://{self.http_url}/v2/health/ready", self.lb, 30.0, period_s=0.2)
+        if state == "exited":
+            raise UserError(f"haproxy exited with code {self.lb.returncode}; see {self.cfg.log.parent}/haproxy.log")
+        if state == "timeout":
+            raise UserError(f"haproxy on {self.http_url} routed no readiness check to a replica within 30 s")
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """Every replica drains at once (each refuses new requests and turns not ready, so haproxy stops sending it

@@ -167,6 +167,22 @@ class Addressed:
         return f"{self.cfg.host}:{self.cfg.grpc_port}"
 
 
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout_s: float, period_s: float = 0.5) -> str:
+    """Poll `url` until it answers 200 while `proc` runs: "ready", "exited" (`proc` ended first) or "timeout"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return "ready"
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(period_s)
+    return "timeout"
+
+
 class TritonServer(Addressed):
     """`with TritonServer(cfg) as server:` a ready server; stopped (SIGTERM, then SIGKILL) on exit."""
 
@@ -196,21 +212,13 @@ class TritonServer(Addressed):
         return self
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        url = f"http://{self.http_url}/v2/models/ensemble/ready"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise UserError(f"tritonserver exited with code {self.proc.returncode} while starting; its log "
-                                f"({self.cfg.log}) ends with:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise UserError(f"tritonserver was not ready after {self.cfg.ready_timeout_s:.0f}s; log: {self.cfg.log}")
+        state = wait_http_ok(f"http://{self.http_url}/v2/models/ensemble/ready", self.proc, self.cfg.ready_timeout_s)
+        if state == "exited":
+            raise UserError(f"tritonserver exited with code {self.proc.returncode} while starting; its log "
+                            f"({self.cfg.log}) ends with:\n{self.log_tail()}")
+        if state == "timeout":
+            self.stop()
+            raise UserError(f"tritonserver was not ready after {self.cfg.ready_timeout_s:.0f}s; log: {self.cfg.log}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
