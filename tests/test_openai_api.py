@@ -49,25 +49,31 @@ def test_tokens_through_stop_is_the_first_prefix_holding_it():
 @pytest.fixture(scope="module")
 def api(default_engines, tmp_path_factory):
     """`serve` with the OpenAI API on free ports; yields (base_url, model name, serve process)."""
-    ports = [free_port() for _ in range(4)]
-    err = tmp_path_factory.mktemp("openai") / "serve.err"  # a file, not a pipe nobody reads
-    proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
-                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",
-                             str(ports[2]), "--openai-port", str(ports[3])], stderr=err.open("w"), text=True)
-    proc.err = err
-    base = f"http://127.0.0.1:{ports[3]}"
+    proc, base, name = start_serve(["--engines", str(default_engines)], tmp_path_factory.mktemp("openai"))
     try:
-        deadline = time.monotonic() + 300
-        while "ready:" not in err.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
-            time.sleep(0.2)
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            name = json.loads(r.read())["data"][0]["id"]
         yield base, name, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+
+
+def start_serve(args: list[str], where) -> tuple[subprocess.Popen, str, str]:
+    """`python -m spork_trt serve ARGS` on free ports, ready: (its process, the API's base URL, the model's name)."""
+    ports = [free_port() for _ in range(4)]
+    err = where / "serve.err"  # a file, not a pipe nobody reads
+    proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", *args, "--http-port", str(ports[0]),
+                             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port",
+                             str(ports[3])], stderr=err.open("w"), text=True)
+    proc.err, base = err, f"http://127.0.0.1:{ports[3]}"
+    deadline = time.monotonic() + 300
+    while "ready:" not in err.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(err.read_text())
+        time.sleep(0.2)
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        return proc, base, json.loads(r.read())["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -307,22 +313,9 @@ def test_a_full_queue_is_a_503_with_retry_after_and_the_others_are_answered(defa
     from spork_trt.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=1, max_queue=1))
-    ports = [free_port() for _ in range(4)]
-    err = tmp_path / "serve.err"
-    proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--repo", str(repo), "--log",
-                             str(tmp_path / "triton.log"), "--http-port", str(ports[0]), "--grpc-port",
-                             str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])],
-                            stderr=err.open("w"), text=True)
-    base = f"http://127.0.0.1:{ports[3]}"
+    proc, base, model = start_serve(["--repo", str(repo), "--log", str(tmp_path / "triton.log")], tmp_path)
     prompt, tokens = "Write a short story about a lighthouse keeper.", 64
-
     try:
-        deadline = time.monotonic() + 300
-        while "ready:" not in err.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
-            time.sleep(0.2)
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            model = json.loads(r.read())["data"][0]["id"]
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda _: post_completion(base, model, prompt, tokens), range(6)))
     finally:
