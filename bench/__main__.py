@@ -9,6 +9,7 @@ EXAMPLES = """examples:
   python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
   python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
   python -m bench roofline engines/default engines/int4        # forward(T) against this machine's bound
+  python -m bench roofline engines/default --torch bf16,fp32   # and the torch.compile lever, same run
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
                     "%(default)s)")
     fi.add_argument("--chunks", type=int, default=16, help="held-out text chunks (default: %(default)s)")
     fi.add_argument("--tokens", type=int, default=512, help="tokens per chunk (default: %(default)s)")
+    fi.add_argument("--torch", default="", metavar="DTYPES", help="also the reference model in these dtypes "
+                    "(bf16,fp32): the torch lever's fidelity (bench roofline --torch)")
     fi.add_argument("--out", default="results/fidelity")
     fi.add_argument("--json", action="store_true")
     ro = sub.add_parser("roofline", help="this machine's bandwidth and matmul peak, each build's target forward(T) "
@@ -142,6 +145,9 @@ def main(argv=None) -> int:
     ro.add_argument("--batch", type=int, default=16, help="sequences of the one-token batched forward (default: "
                     "%(default)s)")
     ro.add_argument("--repeats", type=int, default=7)
+    ro.add_argument("--torch", default="", metavar="DTYPES", help="also the lever of the reference model under "
+                    "torch.compile in these dtypes (bf16,fp32), at the same shapes: not an engine")
+    ro.add_argument("--torch-eager", action="store_true", help="run --torch's model eagerly (no compile)")
     ro.add_argument("--out", default="results/roofline")
     ro.add_argument("--json", action="store_true")
     rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "

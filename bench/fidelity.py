@@ -19,6 +19,7 @@ from spork_trt import manifest as mf
 from spork_trt.engines import chain_input, load_engine
 from spork_trt.errors import UserError
 
+from . import torch_lever
 from .prompts import git_sha
 
 # held-out text: modules whose functions the INT8 static calibration does not draw on (export/code_prompts.py)
@@ -75,6 +76,7 @@ def main(a) -> int:
     from spork_trt.tokenizer import load_tokenizer
 
     builds = [Path(b) for b in a.builds]
+    dtypes = torch_lever.parse_dtypes(a.torch)
     ref_build = Path(a.reference)
     rm, precision, cfg = target_of(ref_build)
     if precision != "fp32":
@@ -93,6 +95,11 @@ def main(a) -> int:
         top1, kl, p99, ppl, ref_ppl = compare(ref, [logits(engine, ids) for ids in texts], texts)
         rows.append(Fidelity(str(b), p + (" (checkpoint blocks)" if m["engines"]["target"].get("weights") else ""),
                              sum(len(t) for t in texts), top1, kl, p99, ppl, ref_ppl))
+    for d in dtypes:  # the torch lever (bench/torch_lever.py): the reference model in another dtype, eager
+        model = torch_lever.reference_model(ref_build, d)
+        top1, kl, p99, ppl, ref_ppl = compare(ref, [torch_lever.teacher_forced(model, ids) for ids in texts], texts)
+        rows.append(Fidelity(f"torch {d}", f"{d} (reference model)", sum(len(t) for t in texts), top1, kl, p99, ppl,
+                             ref_ppl))
     table = ["| build | target | tokens | top-1 vs fp32 | mean KL (nats) | p99 KL | perplexity (fp32) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     table += [f"| {r.build} | {r.precision} | {r.tokens} | {r.top1:.4f} | {r.kl_mean:.4f} | {r.kl_p99:.4f} | "

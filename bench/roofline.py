@@ -7,8 +7,9 @@ Weight bytes and parameters are those of the target graph's weight MatMuls (MatM
 MatMulNBits: its packed codes, scales and offsets), read once per forward; the embedding is a lookup (a few rows)
 and not counted. Forwards run as the engine core runs them (`forward_batch`, the target's own `min_rows`): one
 sequence of T new tokens after a committed context, and B sequences of one token each (a decode step of B
-requests). The bandwidth is torch summing a 512 MB array, the peak torch's fp32 matmul at 2048^3, both with this
-process's threads."""
+requests). The bandwidth is torch summing a 512 MB array, the peak torch's fp32 (and bf16) matmul at 2048^3, all
+with this process's threads. `--torch bf16,fp32` adds the lever of bench/torch_lever.py (the reference model under
+torch.compile, not an engine) at the same shapes, bounded by its dtype's bytes and peak."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ CONTEXT = 256  # committed rows before every timed forward
 class Machine:
     read_gbs: float  # GB/s
     matmul_gflops: float  # fp32, this process's threads
+    bf16_gflops: float  # bf16 (oneDNN; AMX where the CPU has it)
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,12 @@ def measure_machine(repeats: int = 5) -> Machine:
     a = torch.ones(128 << 20)  # 512 MB, past every cache
     a.sum()
     t = min(timed(a.sum) for _ in range(repeats))  # torch's threads, as the engines read
-    m = torch.randn(2048, 2048)
-    m @ m
-    mm = min(timed(lambda: m @ m) for _ in range(repeats))
-    return Machine(round(a.numel() * 4 / t / 1e9, 2), round(2 * 2048 ** 3 / mm / 1e9, 1))
+    peaks = []
+    for dtype in (torch.float32, torch.bfloat16):
+        m = torch.randn(2048, 2048).to(dtype)
+        m @ m
+        peaks.append(round(2 * 2048 ** 3 / min(timed(lambda: m @ m) for _ in range(repeats)) / 1e9, 1))
+    return Machine(round(a.numel() * 4 / t / 1e9, 2), *peaks)
 
 
 def timed(fn) -> float:
@@ -112,10 +116,36 @@ def build_points(build: Path, machine: Machine, ts: list[int], batch: int, repea
     return points
 
 
+def torch_points(build: Path, machine: Machine, ts: list[int], batch: int, repeats: int, dtype: str,
+                 compiled: bool) -> list[Point]:
+    """The torch lever's forwards at the same shapes (each shape compiled once, outside the timing)."""
+    import torch
+
+    from . import torch_lever
+
+    model = torch_lever.reference_model(build, dtype)
+    nbytes, params = torch_lever.weight_cost(model)
+    peak = machine.bf16_gflops if dtype == "bf16" else machine.matmul_gflops
+    label = f"torch {dtype}" + (" compiled" if compiled else " eager") + " (lever, not an engine)"
+    points = []
+    for b, t in [(1, t) for t in ts] + [(batch, 1)]:
+        fn, args = torch_lever.forward_fn(model, compiled), torch_lever.shape_inputs(model, b, t, CONTEXT)
+        with torch.no_grad():
+            ms = median_ms(lambda: fn(*args), repeats)
+        bound = 1000 * max(nbytes / (machine.read_gbs * 1e9), 2 * params * b * t / (peak * 1e9))
+        points.append(Point(str(build), label, f"T={t}" if b == 1 else f"{b}x1", ms, bound))
+    return points
+
+
 def main(a) -> int:
+    from .torch_lever import parse_dtypes
+
+    dtypes = parse_dtypes(a.torch)
     machine = measure_machine()
     ts = [int(t) for t in a.tokens.split(",")]
     points = [p for b in a.builds for p in build_points(Path(b), machine, ts, a.batch, a.repeats)]
+    points += [p for b in a.builds for d in dtypes
+               for p in torch_points(Path(b), machine, ts, a.batch, a.repeats, d, not a.torch_eager)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"git_sha": git_sha(), "machine": platform.machine(), **asdict(machine),
@@ -124,7 +154,8 @@ def main(a) -> int:
     if a.json:
         print(json.dumps(summary))
         return 0
-    print(f"this machine: read {machine.read_gbs} GB/s, fp32 matmul {machine.matmul_gflops} GFLOP/s")
+    print(f"this machine: read {machine.read_gbs} GB/s, matmul fp32 {machine.matmul_gflops} / bf16 "
+          f"{machine.bf16_gflops} GFLOP/s")
     print("| build | target | forward | ms | bound ms | x bound |\n| --- | --- | --- | ---: | ---: | ---: |")
     for p in points:
         print(f"| {p.build} | {p.precision} | {p.shape} | {p.ms:.1f} | {p.bound_ms:.1f} | {p.ratio:.2f} |")

@@ -33,3 +33,41 @@ def test_roofline_counts_each_weight_matmul_once(tmp_path):
     assert counted == params and nbytes == 4 * params
     q_bytes, q_params = weight_cost(quantize("int4", fp32, tmp_path / "q.onnx"))
     assert q_params == params and params / 2 <= q_bytes < nbytes / 4  # 4 bits a weight and a scale per 32
+
+
+class Recording:
+    """model.KVStore that keeps each layer's K/V rows of one forward from position 0."""
+
+    def __init__(self) -> None:
+        self.ks, self.vs = {}, {}
+
+    def update(self, layer, k, v):
+        self.ks[layer], self.vs[layer] = k, v
+        return k, v
+
+
+def test_the_torch_lever_computes_the_models_own_logits_after_a_context_eager_and_compiled():
+    import pytest
+
+    from bench import torch_lever
+    from spork_trt.errors import UserError
+
+    cfg = tiny_config(vocab_size=64, n_layers=2, dim=64)
+    model = random_checkpoint(cfg, seed=2).model.eval()
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    ctx, t = 8, 4
+    rec = Recording()
+    with torch.no_grad():
+        full = model(ids, torch.arange(12)[None], torch.tril(torch.ones(12, 12, dtype=torch.bool))[None]).logits
+        model(ids[:, :ctx], torch.arange(ctx)[None], torch.tril(torch.ones(ctx, ctx, dtype=torch.bool))[None], kv=rec)
+        _, pos, mask, _, _ = torch_lever.shape_inputs(model, 1, t, ctx)
+        args = (ids[:, ctx:], pos, mask, [rec.ks[i] for i in range(2)], [rec.vs[i] for i in range(2)])
+        eager = torch_lever.forward_fn(model, compiled=False)(*args)  # [T, V]
+        compiled = torch_lever.forward_fn(model, compiled=True)(*args)
+    torch.testing.assert_close(eager, full[0, ctx:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    nbytes, params = torch_lever.weight_cost(model.to(torch.bfloat16))
+    assert nbytes == 2 * params and params == sum(m.weight.numel() for m in model.modules()
+                                                  if isinstance(m, torch.nn.Linear))
+    with pytest.raises(UserError, match="fp16"):
+        torch_lever.parse_dtypes("bf16,fp16")
