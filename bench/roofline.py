@@ -144,8 +144,9 @@ def main(a) -> int:
     machine = measure_machine()
     ts = [int(t) for t in a.tokens.split(",")]
     points = [p for b in a.builds for p in build_points(Path(b), machine, ts, a.batch, a.repeats)]
-    points += [p for b in a.builds for d in dtypes
-               for p in torch_points(Path(b), machine, ts, a.batch, a.repeats, d, not a.torch_eager)]
+    checkpoints = {mf.read(Path(b))["source"]["sha256"]: Path(b) for b in reversed(a.builds)}  # once each
+    points += [p for b in checkpoints.values() for d in dtypes
+               for p in torch_points(b, machine, ts, a.batch, a.repeats, d, not a.torch_eager)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"git_sha": git_sha(), "machine": platform.machine(), **asdict(machine),
