@@ -18,7 +18,7 @@ Two attention layouts (`attention`), chosen at export:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -251,6 +251,13 @@ STATS_OUTPUTS = (  # from the spork step straight to the client, in every respon
 )
 TEXT_OUTPUT = TritonTensor("text_output", "STRING", (1,))
 PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
+# spork's input_ids: optional only so that a cancel (cancel_key alone) reaches the model; a request without them is
+# answered 400 `input_ids is missing`
+SPORK_IDS = TritonTensor("input_ids", "INT32", (-1,), optional=True)
+# spork_unary -> spork: a random key naming the request (spork_unary makes one per request and never returns it, so no
+# client can name another's request); sent alone (no input_ids) it cancels the request carrying it (cancel_board.py)
+CANCEL_KEY = TritonTensor("cancel_key", "STRING", (1,), optional=True)
+CANCEL_KEY_HEX = 32  # its length in lowercase hex digits: 128 random bits
 # spork -> postprocessing: the response's new tokens after a few already sent (service.DETOKENIZE_CONTEXT), so the
 # text they add is decoded from a short window, not the whole prefix
 OUTPUT_IDS = TritonTensor("output_ids", "INT32", (-1,))
@@ -270,8 +277,8 @@ class TritonStep:
 
 TRITON_STEPS = (
     TritonStep("preprocessing", (TEXT_INPUT,), (PROMPT_IDS,)),
-    TritonStep("spork", (PROMPT_IDS, *REQUEST_PARAMS), (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT, *STATS_OUTPUTS),
-               decoupled=True),
+    TritonStep("spork", (SPORK_IDS, *REQUEST_PARAMS, CANCEL_KEY), (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT,
+                                                                    *STATS_OUTPUTS), decoupled=True),
     TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT), (TEXT_OUTPUT,)),
 )
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
@@ -280,6 +287,18 @@ ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)
 # entry points over the same steps: `ensemble` (decoupled spork step: streaming, generate, generate_stream) and
 # `ensemble_unary` (spork_unary step: exactly one response, for ModelInfer over HTTP and gRPC).
 ENTRY_POINTS = {"ensemble": "spork", "ensemble_unary": "spork_unary"}
+
+
+def model_step(model: str) -> TritonStep:
+    """The tensors a model of the repository takes and gives: its step's; spork_unary's are the spork step's, answered
+    once, without cancel_key (it makes its own key per request: a client cannot send one) and with input_ids required
+    (a cancel is spork's alone)."""
+    steps = {s.name: s for s in TRITON_STEPS}
+    if model != ENTRY_POINTS["ensemble_unary"]:
+        return steps[model]
+    spork = steps["spork"]
+    inputs = tuple(PROMPT_IDS if t == SPORK_IDS else t for t in spork.inputs if t != CANCEL_KEY)
+    return replace(spork, name=model, inputs=inputs, decoupled=False)
 
 
 def error_kind(message: str) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import io_spec
 from .admission import size_request
+from .cancel_board import KEY
 from .config import GenerateConfig, SpecConfig
 from .errors import FieldError, UserError
 from .io_spec import REQUEST_FIELDS, request_config
@@ -27,6 +28,7 @@ class ServeRequest:
     mode: str  # plain | spork
     stream: bool
     timeout_s: float  # the deadline: seconds from submission until the request is ended (stop_reason "timeout")
+    cancel_key: str | None = None  # a cancel carrying it ends the request (spork_unary's; cancel_board.py)
 
 
 def scalar(inputs: Inputs, name: str, kind: type, default):
@@ -81,6 +83,20 @@ def field_values(inputs: Inputs) -> tuple[dict[str, object], dict[str, str]]:
     return values, names
 
 
+def cancel_key(inputs: Inputs) -> str | None:
+    """The optional cancel_key: io_spec.CANCEL_KEY_HEX lowercase hex digits (what spork_unary makes)."""
+    key = scalar(inputs, io_spec.CANCEL_KEY.name, str, None)
+    if key is not None and not KEY.fullmatch(key):
+        raise UserError(f"cancel_key must be {io_spec.CANCEL_KEY_HEX} lowercase hex digits (a key spork_unary makes "
+                        "for each request)")
+    return key
+
+
+def is_cancel(inputs: Inputs) -> bool:
+    """A cancel, not a request: cancel_key without input_ids (spork_unary's when its client cancels)."""
+    return inputs.get(io_spec.PROMPT_IDS.name) is None and inputs.get(io_spec.CANCEL_KEY.name) is not None
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a served request must fit."""
@@ -94,6 +110,9 @@ class Limits:
 def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> ServeRequest:
     """Validate the spork step's inputs once, before the request is queued: the configs check their own fields,
     admission.size_request the lengths; every error names the tensor and the fix."""
+    if inputs.get(io_spec.PROMPT_IDS.name) is None:
+        raise UserError("input_ids is missing: send the prompt's token ids (or call the model `ensemble`, which "
+                        "takes text_input)")
     ids = np.asarray(inputs[io_spec.PROMPT_IDS.name]).reshape(-1)  # [n]
     bad = np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))
     if bad.size:  # the ensemble's preprocessing never sends these; a client calling `spork` directly might
@@ -116,4 +135,5 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     timeout = scalar(inputs, "timeout_s", float, limits.timeout_s)
     if not 0 < timeout <= limits.timeout_s:  # NaN too
         raise UserError(f"timeout_s must be in (0, {limits.timeout_s:g}] seconds (this server's longest), got {timeout}")
-    return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout)
+    return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout,
+                        cancel_key(inputs))

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import io_spec
+from .cancel_board import CancelBoard
 from .config import SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore
 from .cost_model import ema
@@ -22,7 +23,7 @@ from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
 from .errors import InternalError, QueueFull, UserError
 from .request import Request, Submission
 from .runtime import Runtime
-from .serve_request import Inputs, Limits, parse_request
+from .serve_request import Inputs, Limits, cancel_key, is_cancel, parse_request
 from .stats import Stats
 
 log = logging.getLogger("spork_trt.service")
@@ -70,7 +71,7 @@ class Chunk:
 class Ticket:
     """One served request: its submission, the core's request once the loop added it, and how to answer it. `send`
     gets chunks, `fail` an exception (the final answer), `close` ends a cancelled stream; `cancelled` is polled once
-    per step."""
+    per step, and so is the board for `key` (a cancel sent for it, to this instance or another)."""
 
     sub: Submission
     stream: bool
@@ -79,6 +80,7 @@ class Ticket:
     close: Callable[[], None]
     cancelled: Callable[[], bool]
     deadline: float = math.inf  # time.monotonic() at which the request is ended (stop_reason "timeout")
+    key: str | None = None  # its cancel_key (spork_unary's requests)
     expired: bool = False  # the deadline passed: it leaves the core, answered with what it generated
     generated: list[int] = field(default_factory=list)  # every token sent or to send
     sent: int = 0  # tokens the previous responses carried
@@ -144,7 +146,7 @@ class Service:
     between steps, leave when done or cancelled, and queue (bounded) while every slot is in use."""
 
     def __init__(self, runtime: Runtime, spec: SpecConfig, core: CoreConfig = CoreConfig(slots=8),
-                 timeout_s: float = Limits.timeout_s) -> None:
+                 timeout_s: float = Limits.timeout_s, board: CancelBoard | None = None) -> None:
         self.runtime, self.spec = runtime, spec
         # the context a request may use: the model's window, or less when the slots are smaller (they also keep
         # room for one step's tree)
@@ -154,6 +156,7 @@ class Service:
         self.limits = Limits(self.context, runtime.cfg.vocab_size, spec, timeout_s)
         self.core = EngineCore(runtime.engine, self.context, core)
         self.metrics = Metrics()
+        self.board = board or CancelBoard.default()  # cancels by key, from any instance (cancel_board.py)
         self._inbox: list[Ticket] = []  # submitted, not yet handed to the core (the loop thread owns the core)
         self._tickets: dict[Request, Ticket] = {}
         self._wake = threading.Condition()
@@ -199,7 +202,8 @@ class Service:
         work."""
         req = parse_request(inputs, self.limits, can_stream)
         sub = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec)
-        ticket = Ticket(sub, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s)
+        ticket = Ticket(sub, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s,
+                        req.cancel_key)
         with self._wake:
             if self._down is not None or self._stopping:
                 raise QueueFull(self._down or SHUTTING_DOWN)
@@ -209,6 +213,15 @@ class Service:
             self._inbox.append(ticket)
             self._wake.notify()
         return ticket
+
+    def control(self, inputs: Inputs) -> bool:
+        """A cancel (serve_request.is_cancel: cancel_key alone) is acted on here: the request carrying that key, on
+        this instance or another, leaves at its next step (a key no request carries is swept later). False for a
+        request: submit it."""
+        if not is_cancel(inputs):
+            return False
+        self.board.post(cancel_key(inputs))
+        return True
 
     def run(self, inputs: Inputs, send: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False,
             can_stream: bool = True) -> bool:
@@ -266,6 +279,7 @@ class Service:
             self.metrics.loop_up = 0
             pending, self._inbox, self._tickets = [*self._inbox, *self._tickets.values()], [], {}
         for t in pending:
+            self._forget(t)
             deliver(t, t.fail, QueueFull(self._down))
 
     def _iterate(self, joining: list[Ticket]) -> None:
@@ -275,7 +289,8 @@ class Service:
         for req, t in list(self._tickets.items()):
             t.expired = t.expired or now >= t.deadline
             try:
-                req.cancelled = req.cancelled or t.expired or t.cancelled()
+                req.cancelled = req.cancelled or t.expired or t.cancelled() or \
+                    (t.key is not None and self.board.posted(t.key))
             except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
                 req.cancelled = True
                 log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.sub.id, e)
@@ -287,9 +302,23 @@ class Service:
         try:
             t.request = self.core.add(t.sub)
         except Exception as e:  # noqa: BLE001 - bad input, a full queue, or a bug: this request's answer
+            self._forget(t)
             deliver(t, t.fail, public_error(e, t.sub.id))
             return
         self._tickets[t.request] = t
+
+    def _end(self, req: Request) -> None:
+        """`req` is answered (or failed): its ticket leaves, its key with it."""
+        t = self._tickets.pop(req, None)
+        if t is not None:
+            self._forget(t)
+
+    def _forget(self, t: Ticket) -> None:
+        if t.key is not None:
+            try:
+                self.board.clear(t.key)
+            except OSError as e:  # the key stays until swept; the request is answered all the same
+                log.warning("spork: request %s: taking its cancel key off the board failed (%r)", t.sub.id, e)
 
     def _answer(self, finished: list[Request], step_s: float) -> None:
         m, new_tokens = self.metrics, 0
@@ -297,7 +326,7 @@ class Service:
             try:
                 new_tokens += self._answer_one(req, t, req in finished)
             except Exception as e:  # noqa: BLE001 - answering this request failed: it fails alone
-                self._tickets.pop(req, None)
+                self._end(req)
                 req.cancelled = True  # leaves the core at the next step, if it has not
                 deliver(t, t.fail, public_error(e, req.sub.id))
         m.active, m.queued, m.batch_tokens = len(self.core.active), len(self.core.waiting), self.core.batch_tokens
@@ -314,10 +343,10 @@ class Service:
         new = req.take()
         t.generated += new
         if req.error is not None:  # the core failed it alone and logged the detail under its id
-            del self._tickets[req]
+            self._end(req)
             deliver(t, t.fail, InternalError(req.sub.id))
         elif finished:
-            del self._tickets[req]
+            self._end(req)
             self.metrics.draft_tokens += req.stats.draft_tokens
             self.metrics.accepted_tokens += req.stats.accepted_tokens
             res = req.result()

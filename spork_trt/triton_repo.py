@@ -96,12 +96,18 @@ def ensemble_config(name: str, spork: str):
     """An entry point: preprocessing -> `spork` (the decoupled step or its unary twin) -> postprocessing."""
     c = model_config(name, io_spec.ENSEMBLE_INPUTS, io_spec.ENSEMBLE_OUTPUTS, platform="ensemble")
     client = {t.name for t in io_spec.ENSEMBLE_INPUTS + io_spec.ENSEMBLE_OUTPUTS}
+    given = {t.name for t in io_spec.ENSEMBLE_INPUTS}  # what a step's inputs can be: these and earlier steps' outputs
     for step in io_spec.TRITON_STEPS:
-        s = c.ensemble_scheduling.step.add(model_name=spork if step.name == "spork" else step.name, model_version=-1)
-        for t in step.inputs:  # tensors between steps get an internal name; client-facing ones keep theirs
-            s.input_map[t.name] = t.name if t.name in client else "_" + t.name
+        model = spork if step.name == "spork" else step.name
+        s = c.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+        for t in io_spec.model_step(model).inputs:  # between steps an internal name; client-facing ones keep theirs
+            if t.name in given:
+                s.input_map[t.name] = t.name if t.name in client else "_" + t.name
+            else:  # only another model sends it (cancel_key: spork_unary's)
+                assert t.optional, t
         for t in step.outputs:
             s.output_map[t.name] = t.name if t.name in client else "_" + t.name
+            given.add(t.name)
     return c
 
 
@@ -213,8 +219,8 @@ def render(cfg: RepoConfig) -> Path:
     configs = []  # (config, template folder or None)
     for s in io_spec.TRITON_STEPS:
         names = io_spec.ENTRY_POINTS.values() if s.name == "spork" else (s.name,)
-        configs += [(step_config(s, n, n == "spork", dict(params[n]), "KIND_GPU" if gpu and n == "spork" else
-                                 "KIND_CPU"), n) for n in names]
+        configs += [(step_config(io_spec.model_step(n), n, n == "spork", dict(params[n]),
+                                 "KIND_GPU" if gpu and n == "spork" else "KIND_CPU"), n) for n in names]
     configs += [(ensemble_config(name, spork), None) for name, spork in io_spec.ENTRY_POINTS.items()]
     for c, _ in configs:
         if c.name == io_spec.ENTRY_POINTS["ensemble_unary"]:

@@ -28,11 +28,10 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
                              unary_instances=3))
     # the default build's GroupQueryAttention graphs: ORT's GPU providers want plain attention graphs
     assert ("--attention plain" in capsys.readouterr().err) == (profile == "gpu-onnx")
-    steps = {s.name: s for s in io_spec.TRITON_STEPS}
     for name, spork in io_spec.ENTRY_POINTS.items():
         for model in ("preprocessing", spork, "postprocessing"):
             c = load(repo, model)
-            step = steps["spork" if model == spork else model]
+            step = io_spec.model_step(model)
             assert c.name == model and c.backend == "python" and c.max_batch_size > 0
             assert len(c.input) == len(step.inputs) and all(same(i, t) for i, t in zip(c.input, step.inputs))
             assert len(c.output) == len(step.outputs) and all(same(o, t) for o, t in zip(c.output, step.outputs))
@@ -51,6 +50,10 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
         assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
         assert sp.parameters["dtype"].string_value == "bf16"
         assert load(repo, "spork_unary").instance_group[0].count == 3
+        # cancel_key is spork_unary's own, per request: a client cannot send one; without input_ids it would be a cancel
+        unary = load(repo, "spork_unary")
+        assert "cancel_key" in {i.name for i in sp.input} - {i.name for i in unary.input}
+        assert unary.input[0].name == "input_ids" and not unary.input[0].optional and sp.input[0].optional
         e = load(repo, name)
         assert e.platform == "ensemble"
         assert [i.name for i in e.input] == [t.name for t in io_spec.ENSEMBLE_INPUTS]

@@ -1,6 +1,7 @@
 """Triton python model `spork` (decoupled): one engine core per instance steps every request together; a request
 joins the running batch, streams its chunks through its response sender, and leaves when done or cancelled (the
-client went away or cancelled the stream: its slot is free at the next step). With every slot taken, requests queue
+client went away or cancelled the stream, or spork_unary sent a cancel carrying the request's cancel_key: its slot
+is free at the next step; a cancel is answered with an empty final response). With every slot taken, requests queue
 up to max_queue; beyond that they are answered UNAVAILABLE. A request that fails fails alone, answered with its id
 only (the detail in the log). If the engine loop stops, every request is answered UNAVAILABLE at once and the gauge
 spork_engine_loop_up turns 0 (a python model cannot turn its own readiness off). Custom Prometheus metrics on the
@@ -16,7 +17,7 @@ from spork_trt.errors import QueueFull, UserError
 from spork_trt.service import Service, public_error
 from spork_trt.triton_steps import instance_device, model_parameters
 
-STEP = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
+STEP = io_spec.model_step("spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS = (  # (name, kind, help, Metrics field)
     ("spork_active_requests", "GAUGE", "requests holding a KV slot", "active"),
@@ -77,8 +78,12 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                inputs = self.inputs(request)
+                if self.service.control(inputs):  # a cancel of another request: done
+                    sender.send(flags=FINAL)
+                    continue
                 self.service.submit(
-                    self.inputs(request),
+                    inputs,
                     send=lambda chunk, s=sender: s.send(response(chunk), flags=FINAL if chunk.final else 0),
                     fail=lambda e, s=sender: s.send(error_response(e), flags=FINAL),
                     close=lambda s=sender: self.cancelled(s),
