@@ -41,6 +41,21 @@ def test_old_keys_are_swept_when_another_is_posted(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [fresh]
 
 
+def test_a_full_board_refuses_more_cancels_until_keys_leave(tmp_path):
+    from spork_trt.errors import QueueFull
+
+    board = CancelBoard(tmp_path, max_keys=2)
+    a, b, c = new_key(), new_key(), new_key()
+    board.post(a)
+    board.post(b)
+    with pytest.raises(QueueFull, match="retry later"):
+        board.post(c)
+    assert not board.posted(c)
+    board.clear(a)  # its request ended
+    board.post(c)
+    assert board.posted(c)
+
+
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 32, "0" * 31, "0" * 33, "g" * 32, ""])
 def test_the_board_takes_keys_only(tmp_path, bad):
     with pytest.raises(ValueError):
