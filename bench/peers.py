@@ -121,7 +121,9 @@ def llama_runner(ftype: str, lookup: int, ck: Checkpoint, cache: Path) -> Run:
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
+        # logits_all: llama-cpp-python 0.3.36 sizes its logits store by the constructor's logits_all (n_batch rows
+        # without it) although a draft model turns logits_all on: a prompt and answer past 512 tokens overflowed it
+        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup), "logits_all": True}
     cores = os.cpu_count() or 1
     with no_extra_buffer_types(llama_cpp):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,

@@ -59,6 +59,17 @@ def test_llama_cpp_peers_at_each_precision_are_named_and_cached(tmp_path):
     assert llama_quantized(None, tmp_path / "m.gguf", "q8_0", tmp_path) == made
 
 
+def test_llama_cpp_prompt_lookup_answers_past_512_tokens(tmp_path):
+    """llama-cpp-python 0.3.36 kept n_batch (512) rows of logits with a draft model: a longer prompt and answer
+    crashed the arm (`could not broadcast`) on full MT-bench. Runs where `make bench-peers` installed it."""
+    pytest.importorskip("llama_cpp")
+    from bench.peers import llama_runner
+    from spork_trt.weights import load_checkpoint
+
+    run = llama_runner("", 10, load_checkpoint(), tmp_path)
+    assert len(run(list(range(1000, 1560)), 64, frozenset())) == 64
+
+
 def test_llama_cpp_peer_wants_a_gguf(tmp_path):
     from bench.peers import PEERS
     from spork_trt.weights import Checkpoint
