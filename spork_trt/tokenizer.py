@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from . import atomic
@@ -32,6 +33,32 @@ class Tokenizer:
             return list(self.hf.encode(prompt, add_special_tokens=True))
         text = self.hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                            add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def is_rendered(self, text: str) -> bool:
+        """True if `text` is a conversation already rendered by this model's chat template: it begins with the
+        special token every rendering begins with (ChatML's `<|im_start|>`). Triton's own OpenAI frontend sends
+        that; templating it again would wrap a whole conversation as one user message."""
+        opening = self.template_opening
+        return opening is not None and text.startswith(opening)
+
+    @cached_property
+    def template_opening(self) -> str | None:
+        """The special token that begins every rendering of the chat template (None: no template, or it begins
+        with ordinary text)."""
+        if not self.has_chat_template:
+            return None
+        a, b = (self.hf.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                            add_generation_prompt=True) for c in ("a", "b"))
+        common = a[:next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))]
+        ids = self.hf.encode(common, add_special_tokens=False)
+        if not ids or ids[0] not in set(self.hf.all_special_ids):
+            return None
+        return self.hf.convert_ids_to_tokens(ids[0])
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a conversation the chat template already rendered: exactly what encode_prompt gives for
+        the same conversation (no special tokens added)."""
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:

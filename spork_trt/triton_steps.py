@@ -21,7 +21,8 @@ def text_limit(tok: Tokenizer, context: int) -> int:
 
 
 def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | None = None) -> np.ndarray:
-    """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template; a text over
+    """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template (a conversation
+    the template already rendered, as Triton's OpenAI frontend sends, is not templated again); a text over
     `max_bytes` (text_limit) is refused before any work."""
     if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
         raise UserError('text_input is missing: send the prompt as "text_input" (a string)')
@@ -38,7 +39,7 @@ def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | 
         raise UserError(f"text_input is not valid UTF-8 ({e.reason} at byte {e.start}): send UTF-8 text") from None
     if not text.strip():
         raise UserError("text_input is empty: send some text to generate from")
-    return np.array([tok.encode_prompt(text)], np.int32)
+    return np.array([tok.encode_rendered(text) if tok.is_rendered(text) else tok.encode_prompt(text)], np.int32)
 
 
 def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, final: np.ndarray,

@@ -144,6 +144,23 @@ def test_preprocessing_refuses_empty_and_invalid_utf8(default_tokenizer):
 
 
 @pytest.mark.slow
+def test_preprocessing_does_not_template_a_conversation_twice(default_tokenizer):
+    """Triton's own OpenAI frontend renders the conversation with the model's chat template and sends it as
+    text_input: it reaches the model as rendered, exactly the ids the template gives, not wrapped again."""
+    tok = default_tokenizer
+    turns = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"},
+             {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "How are you?"}]
+    rendered = tok.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert tok.template_opening == "<|im_start|>" and tok.is_rendered(rendered)
+    ids = encode_text(tok, one(rendered.encode(), np.object_))[0].tolist()
+    assert ids == tok.hf.encode(rendered, add_special_tokens=False) and ids.count(1) == 5  # 4 turns and the answer's opening
+    one_turn = tok.hf.apply_chat_template(turns[1:2], tokenize=False, add_generation_prompt=True)
+    assert encode_text(tok, one(one_turn.encode(), np.object_))[0].tolist() == tok.encode_prompt("Hello")
+    plain = encode_text(tok, one(b"Hello <|im_start|>", np.object_))[0].tolist()  # not at the start: a message
+    assert plain == tok.encode_prompt("Hello <|im_start|>") and not tok.is_rendered("Hello <|im_start|>")
+
+
+@pytest.mark.slow
 def test_preprocessing_refuses_a_text_too_long_for_the_context_before_any_work(default_tokenizer):
     limit = text_limit(default_tokenizer, 64)
     big = one(b"\xff" * (limit + 1), np.object_)  # not UTF-8: decoding it first would say so

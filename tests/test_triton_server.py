@@ -189,7 +189,8 @@ def test_stop_words_end_the_request_and_tensorrt_llm_style_requests_are_served(s
     """stop_words end a request in the engine core (stop_reason stop_string) with the text exactly up to the stop
     string, on every protocol; a request shaped as Triton's OpenAI frontend sends a TensorRT-LLM model (the fields of
     python/openai/openai_frontend/engine/utils/triton.py) is answered, its counts add up; what it cannot honour is
-    refused naming the field."""
+    refused naming the field; its text_input, a conversation it rendered with the chat template, is not templated
+    again."""
     from spork_trt.openai_api.stops import tokens_through_stop
 
     prompt = mt_bench_prompts(1)[0]
@@ -205,7 +206,10 @@ def test_stop_words_end_the_request_and_tensorrt_llm_style_requests_are_served(s
         return np.array([[value]], dtype), {np.float32: "FP32", np.int32: "INT32", np.uint64: "UINT64",
                                              np.bool_: "BOOL", np.object_: "BYTES"}[dtype]
 
-    frontend = {"text_input": one(prompt.encode(), np.object_), "stream": one(True, np.bool_),
+    # that frontend renders the conversation with the model's chat template itself: it reaches the model once
+    rendered = local.tok.hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                add_generation_prompt=True)
+    frontend = {"text_input": one(rendered.encode(), np.object_), "stream": one(True, np.bool_),
                 "max_tokens": one(MAX_TOKENS, np.int32), "stop_words": one(stop.encode(), np.object_),
                 "top_p": one(1.0, np.float32), "frequency_penalty": one(0.0, np.float32),
                 "presence_penalty": one(0.0, np.float32), "seed": one(5, np.uint64),
