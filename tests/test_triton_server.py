@@ -386,47 +386,75 @@ def test_cancelled_stream_frees_its_request(server, default_tokenizer):
         time.sleep(0.2)
 
 
-def test_a_cancelled_unary_request_frees_its_slot_while_another_is_served(server, local):
-    """gRPC ModelInfer to spork_unary, cancelled by its client: Triton 2.51 cannot cancel spork_unary's BLS call, so
-    spork_unary sends `spork` a cancel carrying the request's key and the request leaves the batch at the next step;
-    a request sent beside it gets plain greedy's tokens all the same."""
+def cancelled_beside_another(server, model: str, long: dict[str, np.ndarray], other: dict[str, np.ndarray]):
+    """gRPC ModelInfer to `model`: `long` cancelled by its client about 1 s after the engine core took the requests,
+    `other` sent beside it. Both answers, (result, error) by name, once the cancelled request has left the engine core
+    (its slot released within 10 s: else it runs on with nobody listening)."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
-    def inputs(prompt: str, max_tokens: int):
-        ids = np.array([local.tok.encode_prompt(prompt)], np.int32)
-        tensors = [grpcclient.InferInput("input_ids", list(ids.shape), "INT32"),
-                   grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
-        tensors[0].set_data_from_numpy(ids)
-        tensors[1].set_data_from_numpy(np.array([[max_tokens]], np.int32))
-        return tensors
+    def tensors(values: dict[str, np.ndarray]) -> list:
+        out = [grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype)) for k, v in values.items()]
+        for t, v in zip(out, values.values()):
+            t.set_data_from_numpy(v)
+        return out
 
-    other = mt_bench_prompts(1)[0]
     answers: queue.Queue = queue.Queue()
     released = server.cfg.log.read_text().count("request cancelled, its KV slot released")
     with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        long = c.async_infer("spork_unary", inputs("Write a long story about a dragon.", 1500),
-                             lambda result, error: answers.put(("long", result, error)))
-        c.async_infer("spork_unary", inputs(other, MAX_TOKENS), lambda result, error: answers.put(("other", result,
-                                                                                                    error)))
+        handle = c.async_infer(model, tensors(long), lambda result, error: answers.put(("long", result, error)))
+        c.async_infer(model, tensors(other), lambda result, error: answers.put(("other", result, error)))
         deadline = time.monotonic() + 60
         while spork_metric(server, "spork_active_requests") < 1:
             assert time.monotonic() < deadline, "the requests never started"
             time.sleep(0.2)
         time.sleep(1)
-        long.cancel()
+        handle.cancel()
         got = dict((name, (result, error)) for name, result, error in (answers.get(timeout=120) for _ in range(2)))
     assert got["long"][0] is None and "cancel" in str(got["long"][1]).lower()
-    result, error = got["other"]
-    assert error is None and result.as_numpy("output_ids")[0].tolist() == local.result(other).token_ids
     deadline = time.monotonic() + 10
     while server.cfg.log.read_text().count("request cancelled, its KV slot released") == released or \
             spork_metric(server, "spork_active_requests"):
         assert time.monotonic() < deadline, "the cancelled request runs on"
         time.sleep(0.2)
+    return got
+
+
+def test_a_cancelled_unary_request_frees_its_slot_while_another_is_served(server, local):
+    """gRPC ModelInfer to spork_unary, cancelled by its client: Triton 2.51 cannot cancel spork_unary's BLS call, so
+    spork_unary sends `spork` a cancel carrying the request's key and the request leaves the batch at the next step;
+    a request sent beside it gets plain greedy's tokens all the same."""
+    def ids(prompt: str) -> np.ndarray:
+        return np.array([local.tok.encode_prompt(prompt)], np.int32)
+
+    other = mt_bench_prompts(1)[0]
+    got = cancelled_beside_another(
+        server, "spork_unary", {"input_ids": ids("Write a long story about a dragon."),
+                                "max_tokens": np.array([[1500]], np.int32)},
+        {"input_ids": ids(other), "max_tokens": np.array([[MAX_TOKENS]], np.int32)})
+    result, error = got["other"]
+    assert error is None and result.as_numpy("output_ids")[0].tolist() == local.result(other).token_ids
     nobodys = np.array([[b"0" * 32]], np.object_)  # a cancel of no request: answered with an empty final response
     assert stream_infer(server, "spork", {"cancel_key": (nobodys, "BYTES")}) == []
     with pytest.raises(UserError, match="^cancel_key must be 32 lowercase hex digits"):
         stream_infer(server, "spork", {"cancel_key": (np.array([[b"../x"]], np.object_), "BYTES")})
+
+
+def test_a_cancelled_ensemble_unary_request_frees_its_slot_while_another_is_served(server, local):
+    """gRPC ModelInfer to ensemble_unary (text in, what `client` sends without --stream), cancelled by its client: an
+    ensemble's cancellation Triton 2.51 checks only between steps, so ensemble_unary is a python model making the
+    steps' calls itself, and its spork call carries a cancel key as spork_unary's does: the request leaves the
+    engine core at its next step, and a request sent beside it gets plain greedy's text all the same."""
+    def text(prompt: str) -> np.ndarray:
+        return np.array([[prompt.encode()]], np.object_)
+
+    other = mt_bench_prompts(1)[0]
+    got = cancelled_beside_another(
+        server, "ensemble_unary", {"text_input": text("Write a long story about a dragon."),
+                                   "max_tokens": np.array([[1500]], np.int32)},
+        {"text_input": text(other), "max_tokens": np.array([[MAX_TOKENS]], np.int32)})
+    result, error = got["other"]
+    assert error is None and result.as_numpy("text_output")[0, 0].decode() == local(other)
 
 
 def test_ids_outside_the_vocabulary_sent_to_spork_unary_are_a_400_naming_them(server):
