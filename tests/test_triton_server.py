@@ -362,8 +362,8 @@ def test_100_bad_requests_among_good_ones(server, local):
 
 
 def test_cancelled_stream_frees_its_request(server, default_tokenizer):
-    """Cancellation reaches a running step only when the request goes to `spork` itself: Triton 2.51 checks an
-    ensemble's cancellation between steps only (README: serving notes)."""
+    """A cancelled gRPC stream to `spork` itself leaves the engine core at the next step (a stream to `ensemble` would
+    not: Triton 2.51 checks an ensemble's cancellation between steps only; docs/serving.md)."""
     import tritonclient.grpc as grpcclient
 
     ids = np.array([default_tokenizer.encode_prompt("Write a long story about a dragon.")], np.int32)
@@ -556,9 +556,9 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
 
 def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_concurrently(default_engines, tmp_path,
                                                                                           local):
-    """`ensemble_unary`: Triton's queue in front of spork_unary holds at most --max-queue requests (here 1, with one
-    spork_unary instance); beyond that a request is refused at once as unavailable instead of waiting unbounded, and
-    the requests one instance takes together are answered concurrently with plain greedy's text."""
+    """`ensemble_unary`: Triton's queue in front of it holds at most --max-queue requests (here 1, with one
+    ensemble_unary instance); beyond that a request is refused at once as unavailable instead of waiting unbounded,
+    and the requests one instance takes together are answered concurrently with plain greedy's text."""
     from concurrent.futures import ThreadPoolExecutor
 
     from spork_trt.triton_repo import RepoConfig, render
