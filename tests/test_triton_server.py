@@ -457,18 +457,29 @@ def test_a_cancelled_ensemble_unary_request_frees_its_slot_while_another_is_serv
     assert error is None and result.as_numpy("text_output")[0, 0].decode() == local(other)
 
 
-def test_ids_outside_the_vocabulary_sent_to_spork_unary_are_a_400_naming_them(server):
-    """The BLS call inside spork_unary hands it every error as INTERNAL: the code is found again from the message
-    (io_spec.error_kind), so a bad field stays a 400 and a full queue a 503."""
+def test_bad_fields_sent_to_the_unary_models_are_a_400_naming_them(server):
+    """The BLS calls inside the unary models hand them every error as INTERNAL: the code is found again from the
+    message (io_spec.error_kind), so a bad field stays a 400 (and a full queue a 503), whichever step refused it."""
     import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-    with httpclient.InferenceServerClient(server.http_url) as c:
-        ids = httpclient.InferInput("input_ids", [1, 2], "INT32")
-        ids.set_data_from_numpy(np.array([[5, 10 ** 9]], np.int32))
-        with pytest.raises(InferenceServerException) as e:
-            c.infer("spork_unary", [ids])
-    assert e.value.status() == "400" and e.value.message().startswith("input_ids must be token ids")
+    def refusal(model: str, values: dict[str, np.ndarray]):
+        tensors = [httpclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype)) for k, v in values.items()]
+        for t, v in zip(tensors, values.values()):
+            t.set_data_from_numpy(v)
+        with httpclient.InferenceServerClient(server.http_url) as c, pytest.raises(InferenceServerException) as e:
+            c.infer(model, tensors)
+        return e.value.status(), e.value.message()
+
+    status, message = refusal("spork_unary", {"input_ids": np.array([[5, 10 ** 9]], np.int32)})
+    assert status == "400" and message.startswith("input_ids must be token ids")
+    hi, zero = np.array([[b"hi"]], np.object_), np.array([[0]], np.int32)
+    status, message = refusal("ensemble_unary", {"max_tokens": zero})  # refused by preprocessing
+    assert status == "400" and message.startswith("text_input is missing")
+    status, message = refusal("ensemble_unary", {"text_input": hi, "max_tokens": zero})  # by spork
+    assert status == "400" and message.startswith("max_tokens must be a positive")
+    status, message = refusal("ensemble_unary", {"text_input": hi, "stream": np.array([[True]])})
+    assert status == "400" and message.startswith("stream=true needs the streaming model `ensemble`")
 
 
 def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
