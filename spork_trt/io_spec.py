@@ -148,6 +148,7 @@ class TritonTensor:
 # optional only so that preprocessing answers a request without it with a 400 naming it (Triton's own refusal of a
 # missing required input reaches the HTTP generate endpoint as a 200 with an unrelated error)
 TEXT_INPUT = TritonTensor("text_input", "STRING", (1,), optional=True)
+TEXT_MISSING = 'text_input is missing: send the prompt as "text_input" (a string)'  # the answer to a request without it
 MAX_TOKENS = TritonTensor("max_tokens", "INT32", (1,), optional=True)
 TEMPERATURE = TritonTensor("temperature", "FP32", (1,), optional=True)  # 0 (the default) means greedy
 TOP_P = TritonTensor("top_p", "FP32", (1,), optional=True)

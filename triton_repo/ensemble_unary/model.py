@@ -26,7 +26,11 @@ class TritonPythonModel:
 
     @staticmethod
     async def answer(request):
-        ids = await triton_unary.step("preprocessing", triton_unary.inputs(request, PROMPT))
+        prompt = triton_unary.inputs(request, PROMPT)
+        if not prompt:  # no python model takes a request without inputs (python_backend 24.10: "request has 0
+            # inputs"), so preprocessing's answer to it is given here
+            return triton_unary.refusal(io_spec.TEXT_MISSING, "INVALID_ARG")
+        ids = await triton_unary.step("preprocessing", prompt)
         if ids.has_error():
             return ids
         spork = await triton_unary.spork_once(request, triton_unary.outputs(ids, IDS)
