@@ -111,8 +111,8 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill every prompt whole (default: a prompt that starts with a finished request's tokens, "
                         "a conversation's next turn, reuses their KV rows)")
     t.add_argument("--unary-instances", type=int, default=RepoConfig.unary_instances,
-                   help="spork_unary instances (no engines: they call spork), unary requests served at once "
-                        "(default: %(default)s)")
+                   help="instances of each unary model, spork_unary and ensemble_unary (no engines: they call "
+                        "spork), each serving a batch of unary requests at once (default: %(default)s)")
     t.add_argument("--draft", default=RepoConfig.draft,
                    help="the drafter the server uses (default: %(default)s: store when the engines have a datastore, "
                         "else ngram)")

@@ -1,6 +1,6 @@
-"""Cancels that reach whichever `spork` instance serves a request. spork_unary cannot cancel the BLS request it sent
-(Triton 2.51), so it sends each request a random key (io_spec.CANCEL_KEY) and, when its client cancels, a second
-request carrying that key alone; Triton hands that one to any instance, so the key is posted on a board every
+"""Cancels that reach whichever `spork` instance serves a request. A unary model (spork_unary, ensemble_unary)
+cannot cancel the BLS request it sent (Triton 2.51), so it sends each request a random key (io_spec.CANCEL_KEY;
+triton_unary.py) and, when its client cancels, a second request carrying that key alone; Triton hands that one to any instance, so the key is posted on a board every
 instance of the machine reads (one empty file per key in a private folder), and the instance serving the request
 sees it at its next step. The serving instance takes its key off when the request ends; a post also sweeps keys
 older than `max_age_s` (cancels of requests already gone, or never here), and a board holding `max_keys` refuses

@@ -148,6 +148,7 @@ class TritonTensor:
 # optional only so that preprocessing answers a request without it with a 400 naming it (Triton's own refusal of a
 # missing required input reaches the HTTP generate endpoint as a 200 with an unrelated error)
 TEXT_INPUT = TritonTensor("text_input", "STRING", (1,), optional=True)
+TEXT_MISSING = 'text_input is missing: send the prompt as "text_input" (a string)'  # the answer to a request without it
 MAX_TOKENS = TritonTensor("max_tokens", "INT32", (1,), optional=True)
 TEMPERATURE = TritonTensor("temperature", "FP32", (1,), optional=True)  # 0 (the default) means greedy
 TOP_P = TritonTensor("top_p", "FP32", (1,), optional=True)
@@ -254,8 +255,9 @@ PROMPT_IDS = TritonTensor("input_ids", "INT32", (-1,))  # preprocessing -> spork
 # spork's input_ids: optional only so that a cancel (cancel_key alone) reaches the model; a request without them is
 # answered 400 `input_ids is missing`
 SPORK_IDS = TritonTensor("input_ids", "INT32", (-1,), optional=True)
-# spork_unary -> spork: a random key naming the request (spork_unary makes one per request and never returns it, so no
-# client can name another's request); sent alone (no input_ids) it cancels the request carrying it (cancel_board.py)
+# the unary models (spork_unary, ensemble_unary) -> spork: a random key naming the request (they make one per request
+# and never return it, so no client can name another's request); sent alone (no input_ids) it cancels the request
+# carrying it (cancel_board.py, triton_unary.py)
 CANCEL_KEY = TritonTensor("cancel_key", "STRING", (1,), optional=True)
 CANCEL_KEY_HEX = 32  # its length in lowercase hex digits: 128 random bits
 # spork -> postprocessing: the response's new tokens after a few already sent (service.DETOKENIZE_CONTEXT), so the
@@ -284,17 +286,23 @@ TRITON_STEPS = (
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, *STATS_OUTPUTS)
 # Triton refuses HTTP infer and gRPC ModelInfer for an ensemble with a decoupled step, so the repository has two
-# entry points over the same steps: `ensemble` (decoupled spork step: streaming, generate, generate_stream) and
-# `ensemble_unary` (spork_unary step: exactly one response, for ModelInfer over HTTP and gRPC).
-ENTRY_POINTS = {"ensemble": "spork", "ensemble_unary": "spork_unary"}
+# entry points with these tensors: `ensemble` (an ensemble of the steps; decoupled: streaming, generate,
+# generate_stream) and `ensemble_unary` (a python model making the same steps' calls itself, through BLS: exactly one
+# response, for ModelInfer over HTTP and gRPC, and cancellable, which an ensemble is not in Triton 2.51: it checks an
+# ensemble's cancellation only between steps). `spork_unary` is the spork step answered once (token ids in).
+ENSEMBLE = "ensemble"
+UNARY_MODELS = ("spork_unary", "ensemble_unary")  # call `spork` once per request with a cancel key (triton_unary.py)
+PYTHON_MODELS = (*(s.name for s in TRITON_STEPS), *UNARY_MODELS)  # each a triton_repo/<name>/model.py adapter
 
 
 def model_step(model: str) -> TritonStep:
-    """The tensors a model of the repository takes and gives: its step's; spork_unary's are the spork step's, answered
-    once, without cancel_key (it makes its own key per request: a client cannot send one) and with input_ids required
-    (a cancel is spork's alone)."""
+    """The tensors a python model of the repository takes and gives: its step's. spork_unary's are the spork step's,
+    answered once, without cancel_key (it makes its own key per request: a client cannot send one) and with input_ids
+    required (a cancel is spork's alone); ensemble_unary's are the ensemble's, answered once."""
     steps = {s.name: s for s in TRITON_STEPS}
-    if model != ENTRY_POINTS["ensemble_unary"]:
+    if model == "ensemble_unary":
+        return TritonStep(model, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)
+    if model != "spork_unary":
         return steps[model]
     spork = steps["spork"]
     inputs = tuple(PROMPT_IDS if t == SPORK_IDS else t for t in spork.inputs if t != CANCEL_KEY)
@@ -302,13 +310,13 @@ def model_step(model: str) -> TritonStep:
 
 
 def error_kind(message: str) -> str:
-    """What an error answer of the `spork` step was, from its message alone: spork_unary's BLS call receives every
-    error as INTERNAL (Triton 2.51) and answers with this kind's code. "unavailable": a refusal to retry
-    (errors.RETRY_HINTS); "invalid": a bad field (a FieldError's message starts with the name of one of the step's
-    inputs); else "internal"."""
+    """What an error answer of a step was, from its message alone: a BLS call (the unary models' calls of
+    `preprocessing`, `spork`, `postprocessing`) receives every error as INTERNAL (Triton 2.51), and the caller answers
+    with this kind's code. "unavailable": a refusal to retry (errors.RETRY_HINTS); "invalid": a bad field (a bad
+    input's message starts with the name of one of the steps' inputs, e.g. `text_input is empty`); else
+    "internal"."""
     from .errors import retryable
 
     if retryable(message):
         return "unavailable"
-    spork = next(s for s in TRITON_STEPS if s.name == "spork")
-    return "invalid" if message.split(" ", 1)[0] in {t.name for t in spork.inputs} else "internal"
+    return "invalid" if message.split(" ", 1)[0] in {t.name for s in TRITON_STEPS for t in s.inputs} else "internal"

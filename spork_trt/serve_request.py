@@ -28,7 +28,7 @@ class ServeRequest:
     mode: str  # plain | spork
     stream: bool
     timeout_s: float  # the deadline: seconds from submission until the request is ended (stop_reason "timeout")
-    cancel_key: str | None = None  # a cancel carrying it ends the request (spork_unary's; cancel_board.py)
+    cancel_key: str | None = None  # a cancel carrying it ends the request (the unary models'; cancel_board.py)
 
 
 def scalar(inputs: Inputs, name: str, kind: type, default):
@@ -84,16 +84,16 @@ def field_values(inputs: Inputs) -> tuple[dict[str, object], dict[str, str]]:
 
 
 def cancel_key(inputs: Inputs) -> str | None:
-    """The optional cancel_key: io_spec.CANCEL_KEY_HEX lowercase hex digits (what spork_unary makes)."""
+    """The optional cancel_key: io_spec.CANCEL_KEY_HEX lowercase hex digits (what the unary models make)."""
     key = scalar(inputs, io_spec.CANCEL_KEY.name, str, None)
     if key is not None and not KEY.fullmatch(key):
-        raise UserError(f"cancel_key must be {io_spec.CANCEL_KEY_HEX} lowercase hex digits (a key spork_unary makes "
-                        "for each request)")
+        raise UserError(f"cancel_key must be {io_spec.CANCEL_KEY_HEX} lowercase hex digits (a key the unary models "
+                        "make for each request)")
     return key
 
 
 def is_cancel(inputs: Inputs) -> bool:
-    """A cancel, not a request: cancel_key without input_ids (spork_unary's when its client cancels)."""
+    """A cancel, not a request: cancel_key without input_ids (a unary model's when its client cancels)."""
     return inputs.get(io_spec.PROMPT_IDS.name) is None and inputs.get(io_spec.CANCEL_KEY.name) is not None
 
 

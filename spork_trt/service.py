@@ -80,7 +80,7 @@ class Ticket:
     close: Callable[[], None]
     cancelled: Callable[[], bool]
     deadline: float = math.inf  # time.monotonic() at which the request is ended (stop_reason "timeout")
-    key: str | None = None  # its cancel_key (spork_unary's requests)
+    key: str | None = None  # its cancel_key (the unary models' requests)
     expired: bool = False  # the deadline passed: it leaves the core, answered with what it generated
     generated: list[int] = field(default_factory=list)  # every token sent or to send
     sent: int = 0  # tokens the previous responses carried

@@ -2,8 +2,9 @@
 
 Configs are built as Triton's own ModelConfig protobuf (tritonclient ships model_config_pb2) and written in its
 text format, so a rendered config.pbtxt cannot drift from the schema; the model.py adapters are copied from the
-top-level `triton_repo/` folder. Layout: OUT/{preprocessing,spork,postprocessing}/{config.pbtxt,1/model.py} and
-OUT/ensemble/{config.pbtxt,1/}, plus the unary twins `spork_unary` and `ensemble_unary` (io_spec.ENTRY_POINTS).
+top-level `triton_repo/` folder. Layout: OUT/<python model>/{config.pbtxt,1/model.py} for the steps
+`preprocessing`, `spork`, `postprocessing` and the unary models `spork_unary` and `ensemble_unary`
+(io_spec.PYTHON_MODELS), and OUT/ensemble/{config.pbtxt,1/} (the streaming entry point).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class RepoConfig:
     draft: str = AUTO_DRAFT  # resolved by the server: store when the engines have a datastore, else ngram
     max_context: int = 0  # positions a request may use (prompt + max_tokens); 0: the model's context window
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
-    unary_instances: int = 4  # light spork_unary instances (BLS callers of spork): unary requests served at once
+    unary_instances: int = 4  # light instances of each unary model (BLS callers of spork), each a batch at once
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
     dtype: str = "bf16"  # the device engine's precision (DEVICE_DTYPES)
     prefix_reuse: bool = True  # a prompt starting with a finished request's KV rows reuses them (prefix_cache)
@@ -92,18 +93,17 @@ def step_config(step: io_spec.TritonStep, name: str, decoupled: bool, params: di
     return c
 
 
-def ensemble_config(name: str, spork: str):
-    """An entry point: preprocessing -> `spork` (the decoupled step or its unary twin) -> postprocessing."""
-    c = model_config(name, io_spec.ENSEMBLE_INPUTS, io_spec.ENSEMBLE_OUTPUTS, platform="ensemble")
+def ensemble_config():
+    """The streaming entry point: preprocessing -> spork (decoupled) -> postprocessing."""
+    c = model_config(io_spec.ENSEMBLE, io_spec.ENSEMBLE_INPUTS, io_spec.ENSEMBLE_OUTPUTS, platform="ensemble")
     client = {t.name for t in io_spec.ENSEMBLE_INPUTS + io_spec.ENSEMBLE_OUTPUTS}
     given = {t.name for t in io_spec.ENSEMBLE_INPUTS}  # what a step's inputs can be: these and earlier steps' outputs
     for step in io_spec.TRITON_STEPS:
-        model = spork if step.name == "spork" else step.name
-        s = c.ensemble_scheduling.step.add(model_name=model, model_version=-1)
-        for t in io_spec.model_step(model).inputs:  # between steps an internal name; client-facing ones keep theirs
+        s = c.ensemble_scheduling.step.add(model_name=step.name, model_version=-1)
+        for t in step.inputs:  # between steps an internal name; client-facing ones keep theirs
             if t.name in given:
                 s.input_map[t.name] = t.name if t.name in client else "_" + t.name
-            else:  # only another model sends it (cancel_key: spork_unary's)
+            else:  # only another model sends it (cancel_key: the unary models')
                 assert t.optional, t
         for t in step.outputs:
             s.output_map[t.name] = t.name if t.name in client else "_" + t.name
@@ -114,7 +114,7 @@ def ensemble_config(name: str, spork: str):
 def bound_queue(c, size: int) -> None:
     """Triton's queue in front of `c` holds at most `size` requests; beyond them a request is refused at once
     (UNAVAILABLE) instead of waiting unbounded. A queue policy needs the dynamic batcher: it hands an instance what
-    waits, no delay (spork_unary answers a batch's requests concurrently)."""
+    waits, no delay (the unary models answer a batch's requests concurrently)."""
     c.dynamic_batching.max_queue_delay_microseconds = 0
     c.dynamic_batching.default_queue_policy.max_queue_size = size
 
@@ -154,7 +154,7 @@ def adapters_current(repo: Path) -> bool:
     adapters do not fit the library they would import)."""
     return all((repo / name / "1" / "model.py").is_file()
                and (repo / name / "1" / "model.py").read_bytes() == (TEMPLATES / name / "model.py").read_bytes()
-               for name in (*{s.name for s in io_spec.TRITON_STEPS}, *io_spec.ENTRY_POINTS.values()))
+               for name in io_spec.PYTHON_MODELS)
 
 
 def ensure_rendered(cfg: RepoConfig, verify: bool = False) -> Path:
@@ -214,16 +214,15 @@ def render(cfg: RepoConfig) -> Path:
                   "providers": GPU_PROVIDERS if cfg.profile == "gpu-onnx" else "CPUExecutionProvider",
                   "device": cfg.target_device, "dtype": cfg.dtype, "_count": str(cfg.instances)},
         "spork_unary": {"_count": str(cfg.unary_instances)},
+        "ensemble_unary": {"_count": str(cfg.unary_instances)},
         "postprocessing": {"engines": where},
     }
-    configs = []  # (config, template folder or None)
-    for s in io_spec.TRITON_STEPS:
-        names = io_spec.ENTRY_POINTS.values() if s.name == "spork" else (s.name,)
-        configs += [(step_config(io_spec.model_step(n), n, n == "spork", dict(params[n]),
-                                 "KIND_GPU" if gpu and n == "spork" else "KIND_CPU"), n) for n in names]
-    configs += [(ensemble_config(name, spork), None) for name, spork in io_spec.ENTRY_POINTS.items()]
+    configs = [(step_config(io_spec.model_step(n), n, n == "spork", dict(params[n]),
+                            "KIND_GPU" if gpu and n == "spork" else "KIND_CPU"), n)
+               for n in io_spec.PYTHON_MODELS]  # (config, template folder or None)
+    configs.append((ensemble_config(), None))
     for c, _ in configs:
-        if c.name == io_spec.ENTRY_POINTS["ensemble_unary"]:
+        if c.name in io_spec.UNARY_MODELS:
             bound_queue(c, max(cfg.max_queue, 1))
     for c, template in configs:
         d = repo / c.name

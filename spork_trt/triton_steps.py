@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .io_spec import TEXT_MISSING
 from .stopping import cut
 from .tokenizer import Tokenizer, load_tokenizer, text_delta
 
@@ -25,7 +26,7 @@ def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | 
     the template already rendered, as Triton's OpenAI frontend sends, is not templated again); a text over
     `max_bytes` (text_limit) is refused before any work."""
     if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
-        raise UserError('text_input is missing: send the prompt as "text_input" (a string)')
+        raise UserError(TEXT_MISSING)
     if text_input.size != 1:
         raise UserError(f"text_input must hold one string per request, got shape {list(text_input.shape)}")
     raw = text_input.reshape(-1)[0]

@@ -28,43 +28,48 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
                              unary_instances=3))
     # the default build's GroupQueryAttention graphs: ORT's GPU providers want plain attention graphs
     assert ("--attention plain" in capsys.readouterr().err) == (profile == "gpu-onnx")
-    for name, spork in io_spec.ENTRY_POINTS.items():
-        for model in ("preprocessing", spork, "postprocessing"):
-            c = load(repo, model)
-            step = io_spec.model_step(model)
-            assert c.name == model and c.backend == "python" and c.max_batch_size > 0
-            assert len(c.input) == len(step.inputs) and all(same(i, t) for i, t in zip(c.input, step.inputs))
-            assert len(c.output) == len(step.outputs) and all(same(o, t) for o, t in zip(c.output, step.outputs))
-            assert c.model_transaction_policy.decoupled == (model == "spork")
-            assert (repo / model / "1" / "model.py").is_file()
-            args = {"model_config": json_format.MessageToJson(c, preserving_proto_field_name=True),
-                    "model_repository": str(repo / model)}  # what Triton hands initialize()
-            if model != "spork_unary":  # it loads no engines: it calls spork (one core, one pool)
-                assert model_parameters(args)["engines"] == str(default_engines.resolve())
-            gpu = profile != "cpu" and model == "spork"
-            assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
-        sp = load(repo, "spork")
-        assert sp.instance_group[0].count == 2 and sp.parameters["slots"].string_value == "4"
-        assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
-        assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu-onnx")
-        assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
-        assert sp.parameters["dtype"].string_value == "bf16"
-        assert load(repo, "spork_unary").instance_group[0].count == 3
-        # cancel_key is spork_unary's own, per request: a client cannot send one; without input_ids it would be a cancel
-        unary = load(repo, "spork_unary")
-        assert "cancel_key" in {i.name for i in sp.input} - {i.name for i in unary.input}
-        assert unary.input[0].name == "input_ids" and not unary.input[0].optional and sp.input[0].optional
+    for model in io_spec.PYTHON_MODELS:
+        c = load(repo, model)
+        step = io_spec.model_step(model)
+        assert c.name == model and c.backend == "python" and c.max_batch_size > 0
+        assert len(c.input) == len(step.inputs) and all(same(i, t) for i, t in zip(c.input, step.inputs))
+        assert len(c.output) == len(step.outputs) and all(same(o, t) for o, t in zip(c.output, step.outputs))
+        assert c.model_transaction_policy.decoupled == (model == "spork")
+        assert (repo / model / "1" / "model.py").is_file()
+        args = {"model_config": json_format.MessageToJson(c, preserving_proto_field_name=True),
+                "model_repository": str(repo / model)}  # what Triton hands initialize()
+        if model not in io_spec.UNARY_MODELS:  # they load no engines: they call spork (one core, one pool)
+            assert model_parameters(args)["engines"] == str(default_engines.resolve())
+        gpu = profile != "cpu" and model == "spork"
+        assert mc.ModelInstanceGroup.Kind.Name(c.instance_group[0].kind) == ("KIND_GPU" if gpu else "KIND_CPU")
+        # a bounded queue in front of each unary model (the default --max-queue), the others' unbounded
+        assert c.dynamic_batching.default_queue_policy.max_queue_size == (64 if model in io_spec.UNARY_MODELS else 0)
+    sp = load(repo, "spork")
+    assert sp.instance_group[0].count == 2 and sp.parameters["slots"].string_value == "4"
+    assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
+    assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu-onnx")
+    assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
+    assert sp.parameters["dtype"].string_value == "bf16"
+    assert all(load(repo, m).instance_group[0].count == 3 for m in io_spec.UNARY_MODELS)
+    # cancel_key is the unary models' own, per request: a client cannot send one; without input_ids it would be a cancel
+    unary = load(repo, "spork_unary")
+    assert "cancel_key" in {i.name for i in sp.input} - {i.name for i in unary.input}
+    assert unary.input[0].name == "input_ids" and not unary.input[0].optional and sp.input[0].optional
+    # both entry points take and give the same tensors: the streaming ensemble and the unary python model
+    for name in (io_spec.ENSEMBLE, "ensemble_unary"):
         e = load(repo, name)
-        assert e.platform == "ensemble"
         assert [i.name for i in e.input] == [t.name for t in io_spec.ENSEMBLE_INPUTS]
         assert all(same(i, t) for i, t in zip(e.input, io_spec.ENSEMBLE_INPUTS))
+        assert len(e.output) == len(io_spec.ENSEMBLE_OUTPUTS)
         assert all(same(o, t) for o, t in zip(e.output, io_spec.ENSEMBLE_OUTPUTS))
-        available = {i.name for i in e.input}  # every step input is a client input or an earlier step's output
-        for s in e.ensemble_scheduling.step:
-            assert set(s.input_map.values()) <= available, s.model_name
-            available |= set(s.output_map.values())
-        assert {o.name for o in e.output} <= available
-        assert [s.model_name for s in e.ensemble_scheduling.step] == ["preprocessing", spork, "postprocessing"]
+    e = load(repo, io_spec.ENSEMBLE)
+    assert e.platform == "ensemble"
+    available = {i.name for i in e.input}  # every step input is a client input or an earlier step's output
+    for s in e.ensemble_scheduling.step:
+        assert set(s.input_map.values()) <= available, s.model_name
+        available |= set(s.output_map.values())
+    assert {o.name for o in e.output} <= available
+    assert [s.model_name for s in e.ensemble_scheduling.step] == ["preprocessing", "spork", "postprocessing"]
 
 
 def test_render_refuses_what_is_not_a_build(tmp_path):
@@ -103,7 +108,7 @@ def test_a_repository_rendered_by_another_version_is_rendered_again(default_engi
     assert ensure_rendered(cfg) == repo and adapters_current(repo)
 
 
-def test_a_spork_error_s_kind_is_found_from_its_message():
+def test_a_step_s_error_kind_is_found_from_its_message():
     from spork_trt.io_spec import error_kind
 
     assert error_kind("input_ids must be token ids in [0, 49152), got -5 at position 0") == "invalid"
@@ -111,3 +116,5 @@ def test_a_spork_error_s_kind_is_found_from_its_message():
     assert error_kind("all 2 slots are in use and 1 requests wait for one (max_queue): retry later") == "unavailable"
     assert error_kind("the server is shutting down: retry on another instance") == "unavailable"
     assert error_kind("internal error in request 3f2a: the server logged the detail (quote this id)") == "internal"
+    assert error_kind('text_input is missing: send the prompt as "text_input" (a string)') == "invalid"  # preprocessing
+    assert error_kind("preprocessing: internal error in request 3f2a: the server logged the detail") == "internal"

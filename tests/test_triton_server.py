@@ -310,17 +310,20 @@ def spork_metric(server, name: str) -> float:
                    if line.startswith(name + "{"))
 
 
-def metric(server, name: str) -> float:
-    """Sum of a Triton counter over the two entry points."""
+def counters(server, model: str) -> tuple[float, float]:
+    """Triton's own counts of a model's requests: (nv_inference_request_success, nv_inference_request_failure)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.cfg.metrics_port}/metrics", timeout=30) as r:
         lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith(name + "{") and ('model="ensemble"' in line or 'model="ensemble_unary"' in line))
+    return tuple(sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                     if line.startswith(name + "{") and f'model="{model}"' in line)
+                 for name in ("nv_inference_request_success", "nv_inference_request_failure"))
 
 
 def test_100_bad_requests_among_good_ones(server, local):
     """Bad requests of every kind, interleaved with good ones from 8 clients at once: each bad one gets an error
-    that names its problem, each good one the right text, and Triton's own counters agree."""
+    that names its problem, each good one the right text, and Triton's own counters agree: `ensemble` counts the
+    bad ones as failures; `ensemble_unary`, a python model, counts every request once (an error answer as a success:
+    python_backend 24.10 reports a request failed only when execute raises)."""
     from concurrent.futures import ThreadPoolExecutor
 
     bad_kinds = [({"max_tokens": 0}, "max_tokens must be a positive"),
@@ -334,7 +337,7 @@ def test_100_bad_requests_among_good_ones(server, local):
     jobs = [("bad", k) for k in range(100)]
     for k in range(len(good_prompts) * 2):  # a good one about every 12 bad ones
         jobs.insert(k * 13 + 6, ("good", k))
-    success0, failure0 = metric(server, "nv_inference_request_success"), metric(server, "nv_inference_request_failure")
+    before = {m: counters(server, m) for m in ("ensemble", "ensemble_unary")}
 
     def run(job) -> bool:
         kind, k = job
@@ -356,14 +359,15 @@ def test_100_bad_requests_among_good_ones(server, local):
     assert all(ok), [j for j, good in zip(jobs, ok) if not good]
     with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=30) as r:
         assert r.status == 200
-    n_good = sum(kind == "good" for kind, _ in jobs)
-    assert metric(server, "nv_inference_request_success") - success0 == n_good
-    assert metric(server, "nv_inference_request_failure") - failure0 >= 100
+    streamed = [kind for kind, k in jobs if protocols[k % len(protocols)][0] == "generate"]  # through `ensemble`
+    success, failure = (now - then for now, then in zip(counters(server, "ensemble"), before["ensemble"]))
+    assert success == streamed.count("good") and failure >= streamed.count("bad")
+    assert sum(counters(server, "ensemble_unary")) - sum(before["ensemble_unary"]) == len(jobs) - len(streamed)
 
 
 def test_cancelled_stream_frees_its_request(server, default_tokenizer):
-    """Cancellation reaches a running step only when the request goes to `spork` itself: Triton 2.51 checks an
-    ensemble's cancellation between steps only (README: serving notes)."""
+    """A cancelled gRPC stream to `spork` itself leaves the engine core at the next step (a stream to `ensemble` would
+    not: Triton 2.51 checks an ensemble's cancellation between steps only; docs/serving.md)."""
     import tritonclient.grpc as grpcclient
 
     ids = np.array([default_tokenizer.encode_prompt("Write a long story about a dragon.")], np.int32)
@@ -386,61 +390,100 @@ def test_cancelled_stream_frees_its_request(server, default_tokenizer):
         time.sleep(0.2)
 
 
-def test_a_cancelled_unary_request_frees_its_slot_while_another_is_served(server, local):
-    """gRPC ModelInfer to spork_unary, cancelled by its client: Triton 2.51 cannot cancel spork_unary's BLS call, so
-    spork_unary sends `spork` a cancel carrying the request's key and the request leaves the batch at the next step;
-    a request sent beside it gets plain greedy's tokens all the same."""
+def cancelled_beside_another(server, model: str, long: dict[str, np.ndarray], other: dict[str, np.ndarray]):
+    """gRPC ModelInfer to `model`: `long` cancelled by its client about 1 s after the engine core took the requests,
+    `other` sent beside it. Both answers, (result, error) by name, once the cancelled request has left the engine core
+    (its slot released within 10 s: else it runs on with nobody listening)."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
-    def inputs(prompt: str, max_tokens: int):
-        ids = np.array([local.tok.encode_prompt(prompt)], np.int32)
-        tensors = [grpcclient.InferInput("input_ids", list(ids.shape), "INT32"),
-                   grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
-        tensors[0].set_data_from_numpy(ids)
-        tensors[1].set_data_from_numpy(np.array([[max_tokens]], np.int32))
-        return tensors
+    def tensors(values: dict[str, np.ndarray]) -> list:
+        out = [grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype)) for k, v in values.items()]
+        for t, v in zip(out, values.values()):
+            t.set_data_from_numpy(v)
+        return out
 
-    other = mt_bench_prompts(1)[0]
     answers: queue.Queue = queue.Queue()
     released = server.cfg.log.read_text().count("request cancelled, its KV slot released")
     with grpcclient.InferenceServerClient(server.grpc_url) as c:
-        long = c.async_infer("spork_unary", inputs("Write a long story about a dragon.", 1500),
-                             lambda result, error: answers.put(("long", result, error)))
-        c.async_infer("spork_unary", inputs(other, MAX_TOKENS), lambda result, error: answers.put(("other", result,
-                                                                                                    error)))
+        handle = c.async_infer(model, tensors(long), lambda result, error: answers.put(("long", result, error)))
+        c.async_infer(model, tensors(other), lambda result, error: answers.put(("other", result, error)))
         deadline = time.monotonic() + 60
         while spork_metric(server, "spork_active_requests") < 1:
             assert time.monotonic() < deadline, "the requests never started"
             time.sleep(0.2)
         time.sleep(1)
-        long.cancel()
+        handle.cancel()
         got = dict((name, (result, error)) for name, result, error in (answers.get(timeout=120) for _ in range(2)))
     assert got["long"][0] is None and "cancel" in str(got["long"][1]).lower()
-    result, error = got["other"]
-    assert error is None and result.as_numpy("output_ids")[0].tolist() == local.result(other).token_ids
     deadline = time.monotonic() + 10
     while server.cfg.log.read_text().count("request cancelled, its KV slot released") == released or \
             spork_metric(server, "spork_active_requests"):
         assert time.monotonic() < deadline, "the cancelled request runs on"
         time.sleep(0.2)
+    return got
+
+
+def test_a_cancelled_unary_request_frees_its_slot_while_another_is_served(server, local):
+    """gRPC ModelInfer to spork_unary, cancelled by its client: Triton 2.51 cannot cancel spork_unary's BLS call, so
+    spork_unary sends `spork` a cancel carrying the request's key and the request leaves the batch at the next step;
+    a request sent beside it gets plain greedy's tokens all the same."""
+    def ids(prompt: str) -> np.ndarray:
+        return np.array([local.tok.encode_prompt(prompt)], np.int32)
+
+    other = mt_bench_prompts(1)[0]
+    got = cancelled_beside_another(
+        server, "spork_unary", {"input_ids": ids("Write a long story about a dragon."),
+                                "max_tokens": np.array([[1500]], np.int32)},
+        {"input_ids": ids(other), "max_tokens": np.array([[MAX_TOKENS]], np.int32)})
+    result, error = got["other"]
+    assert error is None and result.as_numpy("output_ids")[0].tolist() == local.result(other).token_ids
     nobodys = np.array([[b"0" * 32]], np.object_)  # a cancel of no request: answered with an empty final response
     assert stream_infer(server, "spork", {"cancel_key": (nobodys, "BYTES")}) == []
     with pytest.raises(UserError, match="^cancel_key must be 32 lowercase hex digits"):
         stream_infer(server, "spork", {"cancel_key": (np.array([[b"../x"]], np.object_), "BYTES")})
 
 
-def test_ids_outside_the_vocabulary_sent_to_spork_unary_are_a_400_naming_them(server):
-    """The BLS call inside spork_unary hands it every error as INTERNAL: the code is found again from the message
-    (io_spec.error_kind), so a bad field stays a 400 and a full queue a 503."""
-    import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
+def test_a_cancelled_ensemble_unary_request_frees_its_slot_while_another_is_served(server, local):
+    """gRPC ModelInfer to ensemble_unary (text in, what `client` sends without --stream), cancelled by its client: an
+    ensemble's cancellation Triton 2.51 checks only between steps, so ensemble_unary is a python model making the
+    steps' calls itself, and its spork call carries a cancel key as spork_unary's does: the request leaves the
+    engine core at its next step, and a request sent beside it gets plain greedy's text all the same."""
+    def text(prompt: str) -> np.ndarray:
+        return np.array([[prompt.encode()]], np.object_)
 
-    with httpclient.InferenceServerClient(server.http_url) as c:
-        ids = httpclient.InferInput("input_ids", [1, 2], "INT32")
-        ids.set_data_from_numpy(np.array([[5, 10 ** 9]], np.int32))
-        with pytest.raises(InferenceServerException) as e:
-            c.infer("spork_unary", [ids])
-    assert e.value.status() == "400" and e.value.message().startswith("input_ids must be token ids")
+    other = mt_bench_prompts(1)[0]
+    got = cancelled_beside_another(
+        server, "ensemble_unary", {"text_input": text("Write a long story about a dragon."),
+                                   "max_tokens": np.array([[1500]], np.int32)},
+        {"text_input": text(other), "max_tokens": np.array([[MAX_TOKENS]], np.int32)})
+    result, error = got["other"]
+    assert error is None and result.as_numpy("text_output")[0, 0].decode() == local(other)
+
+
+def test_bad_fields_sent_to_the_unary_models_are_a_400_naming_them(server):
+    """The BLS calls inside the unary models hand them every error as INTERNAL: the code is found again from the
+    message (io_spec.error_kind), so a bad field stays a 400 (and a full queue a 503), whichever step refused it."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    def refusal(model: str, values: dict[str, np.ndarray]):
+        tensors = [httpclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype)) for k, v in values.items()]
+        for t, v in zip(tensors, values.values()):
+            t.set_data_from_numpy(v)
+        with httpclient.InferenceServerClient(server.http_url) as c, pytest.raises(InferenceServerException) as e:
+            c.infer(model, tensors)
+        return e.value.status(), e.value.message()
+
+    status, message = refusal("spork_unary", {"input_ids": np.array([[5, 10 ** 9]], np.int32)})
+    assert status == "400" and message.startswith("input_ids must be token ids")
+    hi, zero = np.array([[b"hi"]], np.object_), np.array([[0]], np.int32)
+    status, message = refusal("ensemble_unary", {"max_tokens": zero})  # refused by preprocessing
+    assert status == "400" and message.startswith("text_input is missing")
+    status, message = refusal("ensemble_unary", {"text_input": hi, "max_tokens": zero})  # by spork
+    assert status == "400" and message.startswith("max_tokens must be a positive")
+    status, message = refusal("ensemble_unary", {"text_input": hi, "stream": np.array([[True]])})
+    assert status == "400" and message.startswith("stream=true needs the streaming model `ensemble`")
 
 
 def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
@@ -528,9 +571,9 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
 
 def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_concurrently(default_engines, tmp_path,
                                                                                           local):
-    """`ensemble_unary`: Triton's queue in front of spork_unary holds at most --max-queue requests (here 1, with one
-    spork_unary instance); beyond that a request is refused at once as unavailable instead of waiting unbounded, and
-    the requests one instance takes together are answered concurrently with plain greedy's text."""
+    """`ensemble_unary`: Triton's queue in front of it holds at most --max-queue requests (here 1, with one
+    ensemble_unary instance); beyond that a request is refused at once as unavailable instead of waiting unbounded,
+    and the requests one instance takes together are answered concurrently with plain greedy's text."""
     from concurrent.futures import ThreadPoolExecutor
 
     from spork_trt.triton_repo import RepoConfig, render
