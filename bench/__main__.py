@@ -1,6 +1,7 @@
 import argparse
 import sys
 
+from spork_trt.config import DEVICE_DTYPE, DEVICE_DTYPES
 from spork_trt.errors import UserError
 
 EXAMPLES = """examples:
@@ -269,8 +270,10 @@ def main(argv=None) -> int:
     add_common(gp)
     gp.set_defaults(limit=16)
     gp.add_argument("--device", default="cuda", help="cuda (default) or cpu (a self-check with small --limit)")
-    gp.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="bf16")
+    gp.add_argument("--dtype", choices=DEVICE_DTYPES, default=DEVICE_DTYPE)
     gp.add_argument("--batch", type=int, default=32, help="engine-core slots for the batched run (default: 32)")
+    gp.add_argument("--profile", action="store_true", help="instead: the forward's cost by tokens (engine call vs "
+                    "graph replay), plain and the store arm, and torch.profiler tables of the store arm")
     gp.add_argument("--out", default="results/gpu")
     args = p.parse_args(argv)
     try:

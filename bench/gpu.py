@@ -90,6 +90,8 @@ def main(a) -> int:
     res: dict = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
                  "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "dtype": a.dtype}
 
+    if a.profile:
+        return profile(a, res, ck, prompts, cfg, eos, shipped_store(ck), out)
     stage("parity: fp32 on the device vs the CPU reference engine")
     dev32 = DeviceEngine(ck.model, a.device, "fp32")
     ref = timed(TorchEngine(ck.model), prompts, cfg, eos)
@@ -115,8 +117,7 @@ def main(a) -> int:
     if "tokens_per_s" in res["hf"]:
         res["plain"]["x_hf"] = round(plain["tokens_per_s"] / res["hf"]["tokens_per_s"], 2)
 
-    found = shipped(mf.sha256(ck.path)) if ck.path.is_file() else None  # the corpus shipped for this checkpoint
-    store = Datastore.index(load_corpus(found)) if found else None
+    store = shipped_store(ck)
     res["spork"] = {}
     with_store = (lambda: StoreDrafter(NgramDrafter(4), store)) if store else None
     for name, make, spec in ((NGRAM.name, lambda: NgramDrafter(4), SpecConfig.for_draft(NGRAM.name)),
@@ -140,6 +141,38 @@ def main(a) -> int:
                       "x_batch_1": round(tokens / s / plain["tokens_per_s"], 2),
                       "identical_to_batch_1": sum(r.result().token_ids == plain["outputs"][subs.index(r.sub)]
                                                   for r in done)}
+    return write(out, res)
+
+
+def shipped_store(ck) -> Datastore | None:
+    """The datastore of the corpus shipped for this checkpoint, if one ships."""
+    found = shipped(mf.sha256(ck.path)) if ck.path.is_file() else None
+    return Datastore.index(load_corpus(found)) if found else None
+
+
+def write(out: Path, res: dict) -> int:
     atomic.write_text(out / "gpu_check.json", json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
     return 0
+
+
+def profile(a, res: dict, ck, prompts: list[list[int]], cfg: GenerateConfig, eos, store, out: Path) -> int:
+    """--profile: the forward's cost by tokens (engine call vs bare graph replay) and the store arm's ops, then
+    plain and the store arm timed as in the full check (bench/gpu_profile.py)."""
+    from .gpu_profile import forward_costs, op_tables
+
+    low = DeviceEngine(ck.model, a.device, a.dtype)
+    stage(f"forward costs by tokens, {a.dtype}")
+    res["forward"] = forward_costs(low, ck.cfg.vocab_size)
+    stage(f"forward: {res['forward']}")
+    make = (lambda: StoreDrafter(NgramDrafter(4), store)) if store else (lambda: NgramDrafter(4))
+    spec = SpecConfig.for_draft(STORE.name if store else NGRAM.name)
+    plain = timed(low, prompts, cfg, eos)
+    r = timed(low, prompts, cfg, eos, make, spec)
+    res["plain"] = {k: v for k, v in plain.items() if k != "outputs"}
+    res["spork"] = {spec.draft: {**{k: v for k, v in r.items() if k != "outputs"},
+                                 "x_plain": round(r["tokens_per_s"] / plain["tokens_per_s"], 2),
+                                 "mismatches": sum(x != y for x, y in zip(r["outputs"], plain["outputs"]))}}
+    stage("torch.profiler over the first 2 prompts")
+    res["profile"] = op_tables(lambda: timed(low, prompts[:2], cfg, eos, make, spec), out)
+    return write(out, res)

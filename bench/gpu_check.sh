@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU engine's check on a lent GPU machine (the device tool: nothing to fetch there, 64 MiB per call, 15 minutes
-# a session). Prepared and self-checked on the CPU; never run on a GPU yet.
+# a session). Prepared and self-checked on the CPU; run on an H200 on 2026-12-04 (docs/engines.md has the figures).
 #
 #   here:      bash bench/gpu_check.sh prepare     # fills .gpu/ (git-ignored through .git/info/exclude): the default
 #                                                   # GGUF in two parts, the gguf wheel, 16 MT-bench prompts as JSONL
@@ -8,6 +8,10 @@
 #   device 2:  bash bench/gpu_check.sh run         # at once (the machine stays warm 30 s), carry [".gpu/part2",
 #                                                   # ".gpu/wheels", ".gpu/prompts"]: joins the GGUF, checks its
 #                                                   # sha256, runs `python -m bench gpu`, writes $OUT/gpu_check.json
+#                                                   # (DTYPE=bf16|fp16|fp32, default fp32; PROMPTS=mt_bench|humaneval)
+#   or:        bash bench/gpu_check.sh profile     # carry as for run: `bench gpu --profile` (the forward's cost by
+#                                                   # tokens, the store arm, torch.profiler and cProfile tables);
+#                                                   # PROMPTS=humaneval for the first 16 HumanEval prompts
 #   or, for the learned drafts (instead of run: 15 device minutes hold one of the two):
 #   device 2:  bash bench/gpu_check.sh data        # carry as for run: joins the GGUF, then the self-data at GPU scale
 #                                                   # (`export self-data --device cuda`, 128 slots, resumable; stops at
@@ -40,10 +44,10 @@ prepare)
     .venv/bin/python - <<'EOF'
 import json
 from spork_trt.prompts import load_prompts
-rows = load_prompts("mt_bench", 16)
-with open(".gpu/prompts/mt_bench16.jsonl", "w") as f:
-    for r in rows:
-        f.write(json.dumps({"question_id": r["id"], "category": r["category"], "turns": [r["prompt"]]}) + "\n")
+for name in ("mt_bench", "humaneval"):
+    with open(f".gpu/prompts/{name}16.jsonl", "w") as f:
+        for r in load_prompts(name, 16):
+            f.write(json.dumps({"question_id": r["id"], "category": r["category"], "turns": [r["prompt"]]}) + "\n")
 EOF
     du -sh .gpu/*
     ;;
@@ -53,8 +57,13 @@ stage)
     ;;
 run)
     join_and_install
-    timeout 460 python3 -m bench gpu --model /root/model.gguf --prompts .gpu/prompts/mt_bench16.jsonl --limit 16 \
-        --max-new-tokens 128 --batch 32 --dtype bf16 --out "${OUT:-results/gpu}"
+    timeout 460 python3 -m bench gpu --model /root/model.gguf --prompts ".gpu/prompts/${PROMPTS:-mt_bench}16.jsonl" \
+        --limit 16 --max-new-tokens 128 --batch 32 --dtype "${DTYPE:-fp32}" --out "${OUT:-results/gpu}"
+    ;;
+profile)
+    join_and_install
+    timeout 300 python3 -m bench gpu --profile --model /root/model.gguf --prompts ".gpu/prompts/${PROMPTS:-mt_bench}16.jsonl" \
+        --limit 16 --max-new-tokens 128 --dtype "${DTYPE:-fp32}" --out "${OUT:-results/gpu}"
     ;;
 data)
     join_and_install
@@ -82,7 +91,7 @@ train)
     ls -l "$out"
     ;;
 *)
-    echo "usage: bash bench/gpu_check.sh prepare|stage|run|data|train (see the comments at the top)" >&2
+    echo "usage: bash bench/gpu_check.sh prepare|stage|run|profile|data|train (see the comments at the top)" >&2
     exit 2
     ;;
 esac

@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   python -m export build --backend tensorrt --precision fp8 --out engines/trt   # GPU host with TensorRT
   python -m export inspect engines/default
   python -m export triton                                 # engines/default/triton_repo (cpu profile)
-  python -m export triton --profile gpu --out triton_gpu  # the device engine on CUDA (bf16, CUDA graphs), KIND_GPU
+  python -m export triton --profile gpu --out triton_gpu  # the device engine on CUDA (fp32, CUDA graphs), KIND_GPU
   python -m export triton --profile gpu-onnx --out triton_ort  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
   python -m export triton --slots 32 --max-context 1024   # 32 requests per batch, smaller KV pool
   python -m export k8s --image registry.example/spork:0.1 --namespace llm   # kustomize manifests -> deploy/

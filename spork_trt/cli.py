@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import DEVICE_DTYPES, GenerateConfig, SpecConfig
+from .config import DEVICE_DTYPE, DEVICE_DTYPES, GenerateConfig, SpecConfig
 from .draft_kinds import AUTO_DRAFT, DRAFT_HELP, parse_draft
 from .errors import UserError
 from .io_spec import REQUEST_FIELDS, request_config
@@ -21,7 +21,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
   python -m spork_trt generate "Explain TCP" --engines engines/default --verifier on   # after export calibrate
   python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
-  python -m spork_trt generate "Explain TCP" --device cuda --dtype bf16   # GPU: the device engine, CUDA graphs
+  python -m spork_trt generate "Explain TCP" --device cuda                # GPU: the device engine, CUDA graphs
 """
 
 
@@ -66,8 +66,9 @@ def build_parser() -> Parser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
                         "unverified until it runs on a GPU)")
-    g.add_argument("--dtype", choices=DEVICE_DTYPES, default="bf16",
-                   help="the device engine's precision (--device cuda; fp32 for parity with the cpu engines)")
+    g.add_argument("--dtype", choices=DEVICE_DTYPES, default=DEVICE_DTYPE,
+                   help="the device engine's precision (--device cuda; default %(default)s, the lossless one: bf16 "
+                        "and fp16 are not row-invariant on a GPU)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (default: "
                         f"{DEFAULT_ENGINES} when it holds a build and neither --model nor --device cuda is given; else "

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import DEVICE_DTYPE, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
 from .request import Submission
 from .datastore import Datastore
 from .draft_kinds import (
@@ -60,7 +60,7 @@ class Runtime:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
 
     @classmethod
-    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = "bf16") -> Runtime:
+    def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = DEVICE_DTYPE) -> Runtime:
         """The torch reference engine, from a checkpoint (None: the embedded default); on another `device` (cuda)
         the target runs on the device engine (engines/device_engine.py) in `dtype` (fp32 | fp16 | bf16)."""
         from .engines.torch_engine import TorchEngine
@@ -98,7 +98,7 @@ class Runtime:
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
-                     load_head: bool = True, device: str | None = None, dtype: str = "bf16", verify: bool = False
+                     load_head: bool = True, device: str | None = None, dtype: str = DEVICE_DTYPE, verify: bool = False
                      ) -> Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not

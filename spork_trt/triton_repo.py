@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic, io_spec
-from .config import DEVICE_DTYPES, SpecConfig
+from .config import DEVICE_DTYPE, DEVICE_DTYPES, SpecConfig
 from .draft_kinds import AUTO_DRAFT
 from .errors import UserError
 
@@ -39,7 +39,7 @@ class RepoConfig:
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
     unary_instances: int = 4  # light instances of each unary model (BLS callers of spork), each a batch at once
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
-    dtype: str = "bf16"  # the device engine's precision (DEVICE_DTYPES)
+    dtype: str = DEVICE_DTYPE  # the device engine's precision (DEVICE_DTYPES)
     prefix_reuse: bool = True  # a prompt starting with a finished request's KV rows reuses them (prefix_cache)
     request_timeout_s: float = 600.0  # a request's deadline: the default, and the longest `timeout_s` it may ask
 

@@ -153,3 +153,52 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert res["bf16"]["top1_agreement"] == 1.0  # fp32 vs fp32 here
     assert all(s["mismatches"] == 0 for s in res["spork"].values())
     assert set(res["spork"]) == {"ngram", "store", "store-wide"}
+
+
+def test_profile_tools_measure_every_token_bucket_and_write_their_tables(target, tmp_path):
+    """bench gpu --profile's parts (bench/gpu_profile.py) on the tiny model, eagerly: a cost per token bucket (no
+    graph to replay on the CPU), and the three profile tables written over a real generation."""
+    from bench.gpu_profile import TOKENS, forward_costs, op_tables
+
+    costs = forward_costs(device(target), vocab=48, reps=2)
+    assert list(costs) == [str(t) for t in TOKENS]
+    assert all(c["call_ms"] > 0 and c["replay_ms"] is None for c in costs.values())
+    files = op_tables(lambda: generate(device(target), PROMPTS[0], GenerateConfig(max_new_tokens=4), frozenset()),
+                      tmp_path)
+    assert "linear" in (tmp_path / files["py"]).read_text()
+    assert "aten::" in (tmp_path / files["cpu"]).read_text()
+
+
+def test_a_forward_pads_to_a_faster_larger_bucket_and_computes_the_same(target):
+    """With lookahead (on by default under CUDA graphs; set here for the eager engine) a forward takes the fastest
+    of its bucket and the next two: with larger buckets timed faster, 8-token prompts run padded to 32 and 3-token
+    trees to 16, and their logits and cache rows equal the reference's; timing a bucket writes no row a sequence holds."""
+    dev, ref = device(target), TorchEngine(target)
+    dev.lookahead = 2
+    pools = [dev.make_pool(2, 80), ref.make_pool(2, 80)]
+    pool = pools[0].caches[0].device_slot[0]
+    for t, ms in ((4, 3.0), (8, 3.0), (16, 2.0), (32, 1.0)):
+        dev.bucket(pool, 2, t).ms = ms  # as if timed: 32 rows fastest
+    outs = []
+    for eng, kv in zip((dev, ref), pools):
+        first = eng.forward_batch([chain_input(kv.caches[s], PROMPTS[s], (len(PROMPTS[s]) - 1,)) for s in (0, 1)])
+        for s in (0, 1):
+            kv.caches[s].commit()
+        anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        trees = [SeqInput(kv.caches[s], (5, 6, 7), (len(PROMPTS[s]),) + (len(PROMPTS[s]) + 1,) * 2, anc)
+                 for s in (0, 1)]
+        outs.append(first + eng.forward_batch(trees))
+    ran = {t for (_, t), buf in pool.buckets.items() if buf.logits is not None}
+    assert ran == {32, 16}  # the prompts (8 tokens: 8, 16 or 32) padded to 32; the trees (3: 4, 8 or 16) to 16
+    for x, y in zip(*outs):
+        assert torch.allclose(x, y, atol=1e-4)
+    for s in (0, 1):
+        n = len(PROMPTS[s]) + 3
+        assert torch.allclose(pools[0].caches[s].k[:, :, :, :n], pools[1].caches[s].k[:, :, :, :n], atol=1e-5)
+    cfg = GenerateConfig(max_new_tokens=30)
+    timed = device(target)
+    timed.lookahead = 2  # every bucket it meets is timed (eagerly) before use
+    spec = SpecConfig(tree_width=3, tree_depth=5, tree_budget=15)
+    for p in PROMPTS:
+        want = generate(TorchEngine(target), p, cfg, frozenset()).token_ids
+        assert generate(timed, p, cfg, frozenset(), drafter=NgramDrafter(4), spec=spec).token_ids == want

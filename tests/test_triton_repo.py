@@ -49,7 +49,7 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
     assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
     assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu-onnx")
     assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
-    assert sp.parameters["dtype"].string_value == "bf16"
+    assert sp.parameters["dtype"].string_value == "fp32"  # config.DEVICE_DTYPE: the lossless one on a GPU
     assert all(load(repo, m).instance_group[0].count == 3 for m in io_spec.UNARY_MODELS)
     # cancel_key is the unary models' own, per request: a client cannot send one; without input_ids it would be a cancel
     unary = load(repo, "spork_unary")

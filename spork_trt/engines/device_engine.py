@@ -20,18 +20,24 @@ API (torch.cuda.graph); without a GPU it runs eagerly.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DEVICE_DTYPES, ModelConfig
+from ..config import DEVICE_DTYPE, DEVICE_DTYPES, ModelConfig
 from ..errors import UserError
 from ..kv_cache import KVCache, KVPool
 from ..model import Transformer
 from . import Engine, SeqInput
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up to one of these
+# with CUDA graphs, a forward may pad up to this many buckets past its own when a larger one replays faster: on an
+# H200, cuBLAS's fp32 kernels for 8-16 rows took 7.1-7.5 ms a forward and those for 32 rows 4.7 (docs/engines.md)
+LOOKAHEAD = 2
 DTYPES = dict(zip(DEVICE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -87,19 +93,24 @@ class Bucket:
     logits: torch.Tensor | None = None  # [B * T, V] outputs of the captured forward
     hidden: torch.Tensor | None = None  # [B, T, k*C]
     graph: object | None = None
+    ms: float | None = None  # its graph's replay, timed once after capture (None: not timed)
 
 
 class DeviceEngine(Engine):
-    def __init__(self, model: Transformer, device: str = "cuda", dtype: str = "bf16", taps: tuple[int, ...] = (),
-                 graphs: bool | None = None) -> None:
+    def __init__(self, model: Transformer, device: str = "cuda", dtype: str = DEVICE_DTYPE, taps: tuple[int, ...] = (),
+                 graphs: bool | None = None, lookahead: int = LOOKAHEAD) -> None:
         self.device = require_device(device)
         if dtype not in DTYPES:
             raise UserError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
         self.dtype = dtype
+        if dtype != "fp32" and self.device.type == "cuda":  # measured on an H200: docs/engines.md
+            log.warning("--dtype %s on a GPU is not lossless: its kernels differ by row count, so trees and batches "
+                        "can change the tokens (fp32 is)", dtype)
         self.model = copy.deepcopy(model).eval().to(self.device, DTYPES[dtype])  # the weights on the device, once
         self.model.inv_freq = model.inv_freq.to(self.device)  # RoPE frequencies stay fp32
         self.taps = taps
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.lookahead = lookahead if self.graphs else 0  # eagerly, each forward's own bucket
 
     @property
     def cfg(self) -> ModelConfig:
@@ -148,7 +159,7 @@ class DeviceEngine(Engine):
         pool = found[0][0]
         slots = [f[1] for f in found]
         b = bucket(max(slots) + 1, tuple(range(1, pool.k.shape[1] + 1)))
-        t = bucket(max(len(e[1]) for e in entries), T_BUCKETS)
+        t = self.pick(pool, b, max(len(e[1]) for e in entries))
         buf = self.bucket(pool, b, t)
         ids = torch.zeros(b, t, dtype=torch.long)
         pos = torch.zeros(b, t, dtype=torch.long)
@@ -168,14 +179,45 @@ class DeviceEngine(Engine):
         self.replay(pool, buf, b, hidden is not None)
         at = torch.cat(flat).to(self.device)
         logits = buf.logits.index_select(0, at).float()  # [R, V], on the device
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a step's time is its forward's: the scheduler prices trees by it
+        self.sync()  # a step's time is its forward's: the scheduler prices trees by it
         out = list(torch.split(logits, [len(f) for f in flat]))
         for (cache, tokens, *_), s in zip(entries, slots):
             cache.written(len(tokens))
             if hidden is not None:
                 hidden.append(buf.hidden[s, :len(tokens)].float().cpu())  # [n, k*C]
         return out
+
+    def pick(self, pool: Pool, b: int, n: int) -> int:
+        """The tokens bucket for a forward of B slots and up to n tokens each: the fastest of its own bucket and the
+        `lookahead` next ones, each captured and timed the first time it is a candidate (the padding rows cost
+        nothing but their arithmetic; a row's result does not depend on them, as the tests check)."""
+        sizes = [s for s in T_BUCKETS if s >= n][:self.lookahead + 1] or [n]
+        if len(sizes) == 1:
+            return sizes[0]
+        for t in sizes:
+            self.timed(pool, b, t)
+        return min(sizes, key=lambda t: (self.bucket(pool, b, t).ms, t))
+
+    def timed(self, pool: Pool, b: int, t: int) -> None:
+        """Time bucket (B, T)'s forward once (capturing its graph if it has none): its static inputs are set to
+        padding first, so these runs write K/V only at the scratch position (the next real forward copies its own
+        inputs in)."""
+        buf = self.bucket(pool, b, t)
+        if buf.ms is not None:
+            return
+        buf.ids.zero_(), buf.pos.zero_(), buf.write.fill_(pool.scratch), buf.mask.fill_(False)
+        buf.mask[:, :, pool.scratch] = True
+        self.replay(pool, buf, b, False)  # the capture, on first use
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(3):
+            self.replay(pool, buf, b, False)
+        self.sync()
+        buf.ms = 1e3 * (time.perf_counter() - start) / 3
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def bucket(self, pool: Pool, b: int, t: int) -> Bucket:
         if (b, t) not in pool.buckets:

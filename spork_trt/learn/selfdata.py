@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import atomic
-from ..config import GenerateConfig, SamplingConfig, SpecConfig
+from ..config import DEVICE_DTYPE, GenerateConfig, SamplingConfig, SpecConfig
 from ..errors import UserError
 from ..export.artifacts import ANSWERS, COUNTS, RECIPE, read_jsonl
 from ..export.code_prompts import stdlib_candidates
@@ -57,7 +57,7 @@ class SelfDataConfig:
     seed: int = 0
     model: str | None = None  # set (or device cuda): the target from this checkpoint on torch, not the --engines build
     device: str = "cpu"  # cuda: the device engine (CUDA graphs), many slots at once
-    dtype: str = "bf16"  # the device engine's precision (device cuda)
+    dtype: str = DEVICE_DTYPE  # the device engine's precision (device cuda): the deployed target's text
 
 
 def stage(msg: str) -> None:

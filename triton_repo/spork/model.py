@@ -12,6 +12,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from spork_trt import io_spec
+from spork_trt.config import DEVICE_DTYPE
 from spork_trt.core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
 from spork_trt.service import Service, public_error
@@ -62,7 +63,7 @@ class TritonPythonModel:
                           max_queue=int(params["max_queue"]), prefix_reuse=params.get("prefix_reuse", "1") == "1")
         self.service = Service.load(Path(params["engines"]), params["draft"], tuple(params["providers"].split(",")),
                                     core, device=instance_device(params.get("device", ""), args),
-                                    dtype=params.get("dtype", "bf16"), timeout_s=float(params.get("timeout_s", 600)))
+                                    dtype=params.get("dtype", DEVICE_DTYPE), timeout_s=float(params.get("timeout_s", 600)))
         self.metrics, self.families = {}, []  # a family must outlive its metrics
         for name, kind, doc, field in METRICS:
             family = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind))
