@@ -113,7 +113,7 @@ class Tally:
         with self.lock:
             self.counts[key] += 1
             if example and len(self.examples) < 20:
-                self.examples.append(example)
+                self.examples.append(f"{time.strftime('%H:%M:%S')} {example}")  # the server log's clock (UTC here)
 
 
 def refusal(tally: Tally) -> None:
@@ -173,10 +173,10 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
             if retryable(str(e)):
                 refusal(tally)
             else:
-                tally.add("lost", f"{protocol}: {e}")
+                tally.add("lost", f"{kind} {protocol} stream={stream}: {e}")
             continue
         except Exception as e:  # noqa: BLE001 - any failure of a valid request is a lost request, counted
-            tally.add("lost", f"{protocol}: {e!r}")
+            tally.add("lost", f"{kind} {protocol} stream={stream}: {e!r}")
             continue
         want = refs[prompt, n, seed]
         if "\ufffd" in reply.text:

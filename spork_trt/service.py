@@ -16,7 +16,7 @@ import numpy as np
 
 from . import io_spec
 from .cancel_board import CancelBoard
-from .config import SamplingConfig, SpecConfig
+from .config import DEVICE_DTYPE, SamplingConfig, SpecConfig
 from .core import CoreConfig, EngineCore
 from .cost_model import ema
 from .draft_kinds import AUTO_DRAFT, ENGINE, parse_draft
@@ -168,7 +168,7 @@ class Service:
     @classmethod
     def load(cls, engines: Path, draft: str = AUTO_DRAFT,
              providers: tuple[str, ...] = ("CPUExecutionProvider",), core: CoreConfig = CoreConfig(slots=8),
-             device: str | None = None, dtype: str = "bf16", verify: bool = False,
+             device: str | None = None, dtype: str = DEVICE_DTYPE, verify: bool = False,
              timeout_s: float = Limits.timeout_s) -> Service:
         """`device` (cuda): the target on the device engine (Runtime.from_engines), in `dtype`; `verify`: check every
         artifact's sha256 first (sizes are always checked); `timeout_s`: a request's default and longest deadline."""
@@ -289,14 +289,26 @@ class Service:
         for req, t in list(self._tickets.items()):
             t.expired = t.expired or now >= t.deadline
             try:
-                req.cancelled = req.cancelled or t.expired or t.cancelled() or \
-                    (t.key is not None and self.board.posted(t.key))
+                why = None if req.cancelled else self._leaving(t)
+                if why:
+                    req.cancelled = True
+                    log.info("spork: request %s leaves: %s", req.sub.id, why)
             except Exception as e:  # noqa: BLE001 - the transport's failure is this request's only
                 req.cancelled = True
                 log.warning("spork: request %s: checking its cancellation failed (%r); it leaves", req.sub.id, e)
         t0 = time.perf_counter()
         finished = self.core.step()
         self._answer(finished, time.perf_counter() - t0)
+
+    def _leaving(self, t: Ticket) -> str | None:
+        """Why a request in the core must leave now, if it must."""
+        if t.expired:
+            return "its deadline"
+        if t.cancelled():
+            return "its client cancelled"
+        if t.key is not None and self.board.posted(t.key):
+            return "its key was posted"
+        return None
 
     def _join(self, t: Ticket) -> None:
         try:
