@@ -195,6 +195,11 @@ def test_a_forward_pads_to_a_faster_larger_bucket_and_computes_the_same(target):
     for s in (0, 1):
         n = len(PROMPTS[s]) + 3
         assert torch.allclose(pools[0].caches[s].k[:, :, :, :n], pools[1].caches[s].k[:, :, :, :n], atol=1e-5)
+    wide = dev.make_pool(16, 40).caches[0].device_slot[0]
+    for t, ms in ((8, 2.0), (16, 1.0), (32, 0.5)):
+        dev.bucket(wide, 16, t).ms = ms
+    assert dev.pick(wide, 16, 8) == 16  # 16 x 32 rows is past LOOKAHEAD_ROWS: not a candidate, however fast
+    assert dev.pick(wide, 16, 100) == 128  # the last bucket has no larger one
     cfg = GenerateConfig(max_new_tokens=30)
     timed = device(target)
     timed.lookahead = 2  # every bucket it meets is timed (eagerly) before use

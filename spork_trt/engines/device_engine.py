@@ -36,6 +36,7 @@ T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up 
 # with CUDA graphs, a forward may pad up to this many buckets past its own when a larger one replays faster: on an
 # H200, cuBLAS's fp32 kernels for 8-16 rows took 7.1-7.5 ms a forward and those for 32 rows 4.7 (docs/engines.md)
 LOOKAHEAD = 2
+LOOKAHEAD_ROWS = 256  # ... among buckets of at most this many rows (B x T): each captured graph keeps its own memory
 DTYPES = dict(zip(DEVICE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 log = logging.getLogger(__name__)
 
@@ -189,9 +190,11 @@ class DeviceEngine(Engine):
 
     def pick(self, pool: Pool, b: int, n: int) -> int:
         """The tokens bucket for a forward of B slots and up to n tokens each: the fastest of its own bucket and the
-        `lookahead` next ones, each captured and timed the first time it is a candidate (the padding rows cost
-        nothing but their arithmetic; a row's result does not depend on them, as the tests check)."""
+        `lookahead` next ones of at most LOOKAHEAD_ROWS rows, each captured and timed the first time it is a
+        candidate (the padding rows cost nothing but their arithmetic; a row's result does not depend on them, as
+        the tests check)."""
         sizes = [s for s in T_BUCKETS if s >= n][:self.lookahead + 1] or [n]
+        sizes = sizes[:1] + [t for t in sizes[1:] if b * t <= LOOKAHEAD_ROWS]
         if len(sizes) == 1:
             return sizes[0]
         for t in sizes:
