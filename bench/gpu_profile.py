@@ -1,8 +1,8 @@
 """`python -m bench gpu --profile`: where a speculative step's time goes on the device engine.
 
   forward   one slot's forward by tokens T (a chain after a 256-token context): the whole engine call (host
-            inputs, graph replay, logits gathered, synchronised) against the bare replay of its captured graph;
-            their difference is the host's share, which a faster forward makes weigh more
+            inputs, graph replay, logits gathered, synchronised; in the bucket the engine picked, which lookahead
+            may make larger than T's own) against the bare replay of T's own bucket's graph
   ops       torch.profiler over the store arm on the first prompts: the 20 ops with the most self CPU time and the
             20 with the most device time, as text tables (profile_cpu.txt, profile_device.txt); and cProfile over
             a second run: the 40 Python functions with the most own time (profile_py.txt)
@@ -57,7 +57,7 @@ def forward_costs(engine, vocab: int, reps: int = 20) -> dict:
                 graph.replay()
             sync(engine)
             replay_ms = round(1e3 * (time.perf_counter() - s) / reps, 3)
-        out[str(t)] = {"call_ms": round(call_ms, 3), "replay_ms": replay_ms}
+        out[str(t)] = {"call_ms": round(call_ms, 3), "replay_ms": replay_ms, "bucket": engine.pick(pool, 1, t)}
     return out
 
 

@@ -162,7 +162,7 @@ def test_profile_tools_measure_every_token_bucket_and_write_their_tables(target,
 
     costs = forward_costs(device(target), vocab=48, reps=2)
     assert list(costs) == [str(t) for t in TOKENS]
-    assert all(c["call_ms"] > 0 and c["replay_ms"] is None for c in costs.values())
+    assert all(c["call_ms"] > 0 and c["replay_ms"] is None and c["bucket"] == int(t) for t, c in costs.items())
     files = op_tables(lambda: generate(device(target), PROMPTS[0], GenerateConfig(max_new_tokens=4), frozenset()),
                       tmp_path)
     assert "linear" in (tmp_path / files["py"]).read_text()
