@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU engine's check on a lent GPU machine (the device tool: nothing to fetch there, 64 MiB per call, 15 minutes
-# a session). Prepared and self-checked on the CPU; run on an H200 on 2026-12-04 (docs/engines.md has the figures).
+# a session). Prepared and self-checked on the CPU; run on an H200 in two sessions on 2026-12-04 (docs/engines.md).
 #
 #   here:      bash bench/gpu_check.sh prepare     # fills .gpu/ (git-ignored through .git/info/exclude): the default
 #                                                   # GGUF in two parts, the gguf wheel, 16 MT-bench prompts as JSONL

@@ -207,3 +207,26 @@ def test_a_forward_pads_to_a_faster_larger_bucket_and_computes_the_same(target):
     for p in PROMPTS:
         want = generate(TorchEngine(target), p, cfg, frozenset()).token_ids
         assert generate(timed, p, cfg, frozenset(), drafter=NgramDrafter(4), spec=spec).token_ids == want
+
+
+def test_a_pool_whose_views_are_gone_is_reused_with_its_buckets(target):
+    """run_alone makes a pool per request: once every slot view of one is gone, the next make_pool of the same slots
+    and rounded length takes it (its buckets, i.e. its captured graphs, kept); a pool still in use never is; and
+    requests run one after another on reused pools give plain decoding's tokens."""
+    import gc
+    dev = device(target)
+    first = dev.make_pool(2, 100)
+    pool = first.caches[0].device_slot[0]
+    dev.bucket(pool, 2, 4)
+    busy = dev.make_pool(2, 100)  # the first is alive: a new one
+    assert busy.caches[0].device_slot[0] is not pool
+    del first
+    gc.collect()
+    again = dev.make_pool(2, 300)  # 100 and 300 both round to POOL_ROUND positions
+    assert again.caches[0].device_slot[0] is pool and (2, 4) in pool.buckets
+    assert again.caches[1].max_len == 300 and dev.make_pool(1, 100).caches[0].device_slot[0] is not pool
+    cfg = GenerateConfig(max_new_tokens=20)
+    for p in PROMPTS * 2:
+        want = generate(TorchEngine(target), p, cfg, frozenset()).token_ids
+        assert generate(dev, p, cfg, frozenset(), drafter=NgramDrafter(4)).token_ids == want
+    assert len(dev.spare) <= 2

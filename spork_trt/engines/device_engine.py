@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,10 @@ T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up 
 # H200, cuBLAS's fp32 kernels for 8-16 rows took 7.1-7.5 ms a forward and those for 32 rows 4.7 (docs/engines.md)
 LOOKAHEAD = 2
 LOOKAHEAD_ROWS = 256  # ... among buckets of at most this many rows (B x T): each captured graph keeps its own memory
+# a pool whose slot views are all gone is kept for the next make_pool of its slots and rounded length, captured graphs
+# included (run_alone makes a pool per request: on an H200, recapturing its buckets cost about as much as decoding)
+POOL_ROUND = 512  # positions per slot are allocated in multiples of this, so requests of similar length share a pool
+SPARE_POOLS = 2  # pools kept for reuse (the oldest goes first)
 DTYPES = dict(zip(DEVICE_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 log = logging.getLogger(__name__)
 
@@ -59,12 +64,24 @@ class Pool:
 
     k: torch.Tensor  # [L, slots, Hkv, Smax + 1, D]
     v: torch.Tensor
-    caches: list[KVCache]  # [slots] views of the first Smax positions
     buckets: dict = field(default_factory=dict)  # (B, T) -> Bucket: static buffers (and graphs) over this pool
 
     @property
     def scratch(self) -> int:
         return self.k.shape[3] - 1
+
+
+@dataclass
+class Views:
+    """How many slot views of a pool are alive; when none is, the pool joins the engine's spare list (SPARE_POOLS)."""
+
+    alive: int
+
+    def gone(self, spare: list, key: tuple[int, int], pool: Pool) -> None:
+        self.alive -= 1
+        if self.alive == 0:
+            spare.append((key, pool))
+            del spare[:-SPARE_POOLS]
 
 
 class PoolKV:
@@ -112,18 +129,28 @@ class DeviceEngine(Engine):
         self.taps = taps
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.lookahead = lookahead if self.graphs else 0  # eagerly, each forward's own bucket
+        self.spare: list[tuple[tuple[int, int], Pool]] = []  # ((slots, positions), pool) whose views are all gone
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
     def make_pool(self, slots: int, max_len: int) -> KVPool:
-        full = KVCache(self.cfg, max_len + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
-        caches = [KVCache.over(full.k[:, s:s + 1, :, :max_len], full.v[:, s:s + 1, :, :max_len])
+        """Slot views of max_len positions over a pool of `slots` (a spare one of the same shape when there is one:
+        its graphs are already captured; its rows hold an earlier request's K/V, which no mask reaches)."""
+        key = (slots, -(-max_len // POOL_ROUND) * POOL_ROUND)
+        pool = next((p for k, p in self.spare if k == key), None)
+        if pool is None:
+            full = KVCache(self.cfg, key[1] + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
+            pool = Pool(full.k, full.v)
+        else:
+            self.spare = [(k, p) for k, p in self.spare if p is not pool]
+        caches = [KVCache.over(pool.k[:, s:s + 1, :, :max_len], pool.v[:, s:s + 1, :, :max_len])
                   for s in range(slots)]
-        pool = Pool(full.k, full.v, caches)
+        views = Views(len(caches))
         for s, c in enumerate(caches):
-            c.device_slot = (pool, s)  # the pool goes when its caches go (nothing global keeps it)
+            c.device_slot = (pool, s)
+            weakref.finalize(c, views.gone, self.spare, key, pool)  # the last view gone: the pool is spare
         return KVPool(caches)
 
     def make_cache(self, max_len: int) -> KVCache:
