@@ -41,6 +41,7 @@ from .kv_cache import KVPool
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, pick, processed_probs
 from .scheduler import Candidates, Scheduler, allot
+from .step_records import Draft, Forward, Plan, TreeWork
 from .stats import Stats
 from .stopping import StopState
 from .request import Request, Submission, Verified, emit, wants_hidden
@@ -59,49 +60,6 @@ class CoreConfig:
     prefill_tokens: int = 128  # most prompt tokens a step prefills (all joining requests together)
     max_queue: int = 64  # requests waiting for a slot; more are refused (QueueFull)
     prefix_reuse: bool = True  # a prompt starting with a finished or running request's rows reuses them (prefix_cache)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A decoding request's proposal before scoring."""
-
-    proposed: DraftTree
-    speculate: bool
-    scoring: bool  # the verifier scores it
-    propose_s: float
-
-
-@dataclass
-class Draft:
-    """A decoding request's proposal this step."""
-
-    proposed: DraftTree
-    scored: Scored | None
-    gated: list[int]  # gate mode: the path the verifier alone accepts (lossy); [] otherwise
-    cands: Candidates | None  # what the allotment may verify (None when gated)
-    speculated: bool
-    propose_s: float
-    score_s: float
-
-
-@dataclass(frozen=True)
-class Forward:
-    """A step's target forward, by request."""
-
-    logits: dict  # Request -> [r_b, V]: a tree's rows, or a prompt's last row (none for an earlier chunk)
-    features: dict  # Request -> [n_b, k*C]: hidden states, for a drafter that wants them
-    tree_s: float  # its seconds charged to verifying the trees
-    prefill_s: float  # and to the prompt chunks
-
-
-@dataclass(frozen=True)
-class TreeWork:
-    """What the target verifies for one request this step."""
-
-    keep: list[int]  # verified nodes, as indices into the proposal (ascending, root first)
-    tree: DraftTree  # the proposal cut to them
-    children: tuple[tuple[int, ...], ...]  # [N] children of each node of `tree`
-    seq: SeqInput  # the forward's input: gate mode's behind tokens, then `tree`
 
 
 class EngineCore:

@@ -30,9 +30,10 @@ import torch
 
 from .config import SamplingConfig, SpecConfig
 from .draft_head import DraftHead
-from .drafters import Drafter, StoreDrafter, grow_tree, level_mask
+from .drafters import Drafter, StoreDrafter, level_mask
 from .kv_cache import KVCache, Rows
 from .tree import DraftTree, graft
+from .tree_growth import grow_tree
 from .verify import Verdict
 
 
