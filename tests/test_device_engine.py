@@ -229,4 +229,4 @@ def test_a_pool_whose_views_are_gone_is_reused_with_its_buckets(target):
     for p in PROMPTS * 2:
         want = generate(TorchEngine(target), p, cfg, frozenset()).token_ids
         assert generate(dev, p, cfg, frozenset(), drafter=NgramDrafter(4)).token_ids == want
-    assert len(dev.spare) <= 2
+    assert len(dev.spare.pools) <= 2

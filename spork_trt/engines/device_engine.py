@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -71,17 +72,43 @@ class Pool:
         return self.k.shape[3] - 1
 
 
+class SparePools:
+    """Pools whose slot views are all gone, by (slots, positions), newest last, at most SPARE_POOLS (a view's
+    finalizer may run on any thread: a lock guards the list)."""
+
+    def __init__(self) -> None:
+        self.pools: list[tuple[tuple[int, int], Pool]] = []
+        self.lock = threading.Lock()
+
+    def take(self, key: tuple[int, int]) -> Pool | None:
+        with self.lock:
+            for i, (k, pool) in enumerate(self.pools):
+                if k == key:
+                    del self.pools[i]
+                    return pool
+        return None
+
+    def give(self, key: tuple[int, int], pool: Pool) -> None:
+        with self.lock:
+            self.pools.append((key, pool))
+            del self.pools[:-SPARE_POOLS]
+
+
 @dataclass
 class Views:
-    """How many slot views of a pool are alive; when none is, the pool joins the engine's spare list (SPARE_POOLS)."""
+    """How many slot views of a pool are alive; when none is, the pool is spare."""
 
     alive: int
+    spare: SparePools
+    key: tuple[int, int]
+    pool: Pool
 
-    def gone(self, spare: list, key: tuple[int, int], pool: Pool) -> None:
-        self.alive -= 1
-        if self.alive == 0:
-            spare.append((key, pool))
-            del spare[:-SPARE_POOLS]
+    def gone(self) -> None:
+        with self.spare.lock:
+            self.alive -= 1
+            last = self.alive == 0
+        if last:
+            self.spare.give(self.key, self.pool)
 
 
 class PoolKV:
@@ -129,7 +156,7 @@ class DeviceEngine(Engine):
         self.taps = taps
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.lookahead = lookahead if self.graphs else 0  # eagerly, each forward's own bucket
-        self.spare: list[tuple[tuple[int, int], Pool]] = []  # ((slots, positions), pool) whose views are all gone
+        self.spare = SparePools()
 
     @property
     def cfg(self) -> ModelConfig:
@@ -139,18 +166,16 @@ class DeviceEngine(Engine):
         """Slot views of max_len positions over a pool of `slots` (a spare one of the same shape when there is one:
         its graphs are already captured; its rows hold an earlier request's K/V, which no mask reaches)."""
         key = (slots, -(-max_len // POOL_ROUND) * POOL_ROUND)
-        pool = next((p for k, p in self.spare if k == key), None)
+        pool = self.spare.take(key)
         if pool is None:
             full = KVCache(self.cfg, key[1] + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
             pool = Pool(full.k, full.v)
-        else:
-            self.spare = [(k, p) for k, p in self.spare if p is not pool]
         caches = [KVCache.over(pool.k[:, s:s + 1, :, :max_len], pool.v[:, s:s + 1, :, :max_len])
                   for s in range(slots)]
-        views = Views(len(caches))
+        views = Views(len(caches), self.spare, key, pool)
         for s, c in enumerate(caches):
             c.device_slot = (pool, s)
-            weakref.finalize(c, views.gone, self.spare, key, pool)  # the last view gone: the pool is spare
+            weakref.finalize(c, views.gone)  # the last view gone: the pool is spare
         return KVPool(caches)
 
     def make_cache(self, max_len: int) -> KVCache:
