@@ -12,6 +12,9 @@
 #   or:        bash bench/gpu_check.sh profile     # carry as for run: `bench gpu --profile` (the forward's cost by
 #                                                   # tokens, the store arm, torch.profiler and cProfile tables);
 #                                                   # PROMPTS=humaneval for the first 16 HumanEval prompts
+#   or:        bash bench/gpu_check.sh all         # carry as for run, about 7 minutes: run, then profile on MT-bench and on
+#                                                   # HumanEval, into $OUT/{run,mt,he} (6 files: the device tool
+#                                                   # brings back 8 at most), then one summary line per arm
 #   or, for the learned drafts (instead of run: 15 device minutes hold one of the two):
 #   device 2:  bash bench/gpu_check.sh data        # carry as for run: joins the GGUF, then the self-data at GPU scale
 #                                                   # (`export self-data --device cuda`, 128 slots, resumable; stops at
@@ -65,6 +68,14 @@ profile)
     timeout 300 python3 -m bench gpu --profile --model /root/model.gguf --prompts ".gpu/prompts/${PROMPTS:-mt_bench}16.jsonl" \
         --limit 16 --max-new-tokens 128 --dtype "${DTYPE:-fp32}" --out "${OUT:-results/gpu}"
     ;;
+all)
+    base="${OUT:-results/gpu}"
+    OUT="$base/run" bash "$0" run > /dev/null || echo "run failed (rc $?)"
+    OUT="$base/mt" bash "$0" profile > /dev/null || echo "profile MT-bench failed (rc $?)"
+    OUT="$base/he" PROMPTS=humaneval bash "$0" profile > /dev/null || echo "profile HumanEval failed (rc $?)"
+    rm -f "$base"/he/profile_*.txt
+    python3 bench/gpu_summary.py "$base"/run "$base"/mt "$base"/he
+    ;;
 data)
     join_and_install
     timeout 240 python3 -m export self-data --device cuda --dtype bf16 --model /root/model.gguf --slots 128 \
@@ -91,7 +102,7 @@ train)
     ls -l "$out"
     ;;
 *)
-    echo "usage: bash bench/gpu_check.sh prepare|stage|run|profile|data|train (see the comments at the top)" >&2
+    echo "usage: bash bench/gpu_check.sh prepare|stage|run|profile|all|data|train (see the comments at the top)" >&2
     exit 2
     ;;
 esac

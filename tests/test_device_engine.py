@@ -153,6 +153,10 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert res["bf16"]["top1_agreement"] == 1.0  # fp32 vs fp32 here
     assert all(s["mismatches"] == 0 for s in res["spork"].values())
     assert set(res["spork"]) == {"ngram", "store", "store-wide"}
+    from bench.gpu_summary import lines  # gpu_check.sh all's summary of it: one line per arm
+    summary = lines(tmp_path)
+    assert len(summary) == 5 and summary[2].startswith(f"{tmp_path.name}: spork/store ") and "0 mismatches" in summary[2]
+    assert lines(tmp_path / "absent") == ["absent: no gpu_check.json"]
 
 
 def test_profile_tools_measure_every_token_bucket_and_write_their_tables(target, tmp_path):
