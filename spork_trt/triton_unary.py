@@ -23,6 +23,7 @@ from .cancel_board import new_key
 SPORK_OUTPUTS = [t.name for t in io_spec.model_step("spork").outputs]
 CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}  # names in pb_utils.TritonError
 POLL_S = 0.2  # how often a waiting request's cancellation is checked
+DRAIN_S = 10.0  # how long a cancelled request's spork stream may take to end (spork ends it at its next step)
 
 
 def refusal(message: str, code: str):
@@ -89,12 +90,17 @@ async def spork_answer(request, inputs: list):
 
 
 async def cancel(key: str, pending):
-    """The client cancelled: spork ends the request carrying `key` at its next step (and closes it: `pending`
-    resolves then, unread); answered CANCELLED."""
-    pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it: no warning either
+    """The client cancelled: spork ends the request carrying `key` at its next step and closes its stream, which is
+    read to its end (left unread, it kept `spork_unary` from ever unloading: `serve`'s stop then waited out
+    Triton's exit timeout after any cancel); answered CANCELLED."""
     for r in await spork_call([key_tensor(key)]):
         if r.has_error():
             pb_utils.Logger.log_error(f"cancelling a request failed: {r.error().message()}")
+    try:  # spork closes it at its next step; unread, its BLS stream kept this model from unloading (Triton 2.51)
+        for _ in await asyncio.wait_for(pending, DRAIN_S):
+            pass
+    except Exception as e:  # noqa: BLE001 - the client is answered CANCELLED whatever the stream's end was
+        pb_utils.Logger.log_warn(f"a cancelled request's spork stream did not end cleanly: {e!r}")
     return refusal("the request was cancelled", "CANCELLED")
 
 

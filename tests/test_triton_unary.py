@@ -105,3 +105,30 @@ def test_an_error_is_relayed_with_its_code_not_retried(unary):
     unary.streams.extend([[Response(error=Error("prompt too long: max_tokens ..."))]])
     r = answer(unary, Request())
     assert r.has_error() and len(unary.calls) == 1
+
+
+def test_a_cancelled_request_reads_its_stream_to_its_end(unary, monkeypatch):
+    """Cancelled while spork runs it: the cancel call carries the request's key alone, spork then closes the request's
+    stream, and that stream is read to its end (left unread, it kept spork_unary from ever unloading: Triton's
+    exit timeout on every stop after a cancel); the client is answered CANCELLED."""
+    read = []
+    cancelled = asyncio.Event()
+
+    def stream():
+        yield Response()  # spork's empty final response for a request it ended
+        read.append("end")
+
+    async def async_exec(self, decoupled=False):
+        names = [t.name() for t in self.inputs]
+        unary.calls.append(names)
+        if names == ["cancel_key"]:
+            cancelled.set()
+            return iter([])
+        await cancelled.wait()
+        return stream()
+
+    monkeypatch.setattr(unary.pb_utils.InferenceRequest, "async_exec", async_exec)
+    monkeypatch.setattr(unary, "POLL_S", 0.01)
+    r = answer(unary, Request(cancelled=True))
+    assert r.err.code == "CANCELLED" and unary.calls == [["input_ids", "cancel_key"], ["cancel_key"]]
+    assert read == ["end"] and unary.warnings == []
