@@ -605,3 +605,25 @@ def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_conc
     assert max(dt for _, _, dt in refused) < min(dt for _, _, dt in served)  # refused at once, not after waiting
     for p, text, _ in served:
         assert text == local(p)
+
+
+def test_cancels_reach_either_spork_instance_and_the_server_stops_cleanly(default_engines, tmp_path, local):
+    """Two `spork` instances (each its own engine core): a cancelled `spork_unary` request leaves whichever core runs
+    it, wherever Triton sends the cancel (the cancel board, spork_trt/cancel_board.py); the request beside it gets
+    plain greedy's tokens; and the server then stops cleanly (every model unloaded)."""
+    from spork_trt.triton_repo import RepoConfig, render
+
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", instances=2, slots=4))
+    s = TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                  log_file=tmp_path / "triton.log")).start()
+    try:
+        for other in mt_bench_prompts(3):  # three times: Triton picks the instance of each request and of each cancel
+            ids = np.array([local.tok.encode_prompt(f"Write a long story about {other[:40]}")], np.int32)
+            got = cancelled_beside_another(
+                s, "spork_unary", {"input_ids": ids, "max_tokens": np.array([[1500]], np.int32)},
+                {"input_ids": np.array([local.tok.encode_prompt(other)], np.int32),
+                 "max_tokens": np.array([[MAX_TOKENS]], np.int32)})
+            assert got["other"][0].as_numpy("output_ids")[0].tolist() == local.result(other).token_ids
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_tail()
