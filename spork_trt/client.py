@@ -195,7 +195,8 @@ def grpc_query(values: dict, cfg: ClientConfig, col: Collector) -> None:
                 send_stream(c, inputs, responses)
                 while True:
                     result, error = responses.get(timeout=cfg.timeout_s)
-                    if error is not None:
+                    if error is not None:  # the server ended the request: nothing to cancel (cancelling a request
+                        c.stop_stream()  # refused UNAVAILABLE left it held by Triton 2.51: docs/serving.md)
                         raise error
                     resp = result.get_response()
                     if resp.outputs:

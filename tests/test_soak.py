@@ -24,3 +24,4 @@ def test_two_minute_soak_loses_nothing(default_engines, tmp_path):
     assert all(c[k] > 0 for k in ("valid", "sampled", "deadline", "refused", "bad", "cancelled")), c
     assert c["lost"] == c["garbled"] == c["wrong"] == c["bad_unnamed"] == 0, summary["examples"]
     assert summary["slots_in_use_after"] == 0 and summary["rss_growth_after_warmup"] <= 0.10
+    assert summary["stop_exit_code"] == 0  # every model unloaded within the drain, after every kind of request

@@ -52,7 +52,8 @@ class Stream:
         self.call = self.client.stream_infer(requests())
         try:
             async for result, error in self.call:
-                if error is not None:
+                if error is not None:  # the server ended the request: nothing to cancel (as our other clients;
+                    self.finished = True  # docs/serving.md, known issues)
                     raise upstream_error(error.message())
                 piece = self.piece(result)
                 self.finished = piece.final
