@@ -61,7 +61,7 @@ def require_device(device: str) -> torch.device:
 
 @dataclass
 class Pool:
-    """One KV pool on the device: full tensors (scratch position included) and the slot views handed out."""
+    """One KV pool on the device: full tensors (scratch position included) and its buckets' buffers and graphs."""
 
     k: torch.Tensor  # [L, slots, Hkv, Smax + 1, D]
     v: torch.Tensor
@@ -71,26 +71,30 @@ class Pool:
     def scratch(self) -> int:
         return self.k.shape[3] - 1
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(slots, positions per slot): what a spare pool is found by."""
+        return self.k.shape[1], self.scratch
+
 
 class SparePools:
-    """Pools whose slot views are all gone, by (slots, positions), newest last, at most SPARE_POOLS (a view's
+    """Pools whose slot views are all gone, found by their shape (slots, positions), newest last, at most SPARE_POOLS (a view's
     finalizer may run on any thread: a lock guards the list)."""
 
     def __init__(self) -> None:
-        self.pools: list[tuple[tuple[int, int], Pool]] = []
+        self.pools: list[Pool] = []
         self.lock = threading.Lock()
 
-    def take(self, key: tuple[int, int]) -> Pool | None:
+    def take(self, shape: tuple[int, int]) -> Pool | None:
         with self.lock:
-            for i, (k, pool) in enumerate(self.pools):
-                if k == key:
-                    del self.pools[i]
-                    return pool
+            for i, pool in enumerate(self.pools):
+                if pool.shape == shape:
+                    return self.pools.pop(i)
         return None
 
-    def give(self, key: tuple[int, int], pool: Pool) -> None:
+    def give(self, pool: Pool) -> None:
         with self.lock:
-            self.pools.append((key, pool))
+            self.pools.append(pool)
             del self.pools[:-SPARE_POOLS]
 
 
@@ -100,7 +104,6 @@ class Views:
 
     alive: int
     spare: SparePools
-    key: tuple[int, int]
     pool: Pool
 
     def gone(self) -> None:
@@ -108,7 +111,7 @@ class Views:
             self.alive -= 1
             last = self.alive == 0
         if last:
-            self.spare.give(self.key, self.pool)
+            self.spare.give(self.pool)
 
 
 class PoolKV:
@@ -165,14 +168,14 @@ class DeviceEngine(Engine):
     def make_pool(self, slots: int, max_len: int) -> KVPool:
         """Slot views of max_len positions over a pool of `slots` (a spare one of the same shape when there is one:
         its graphs are already captured; its rows hold an earlier request's K/V, which no mask reaches)."""
-        key = (slots, -(-max_len // POOL_ROUND) * POOL_ROUND)
-        pool = self.spare.take(key)
+        shape = (slots, -(-max_len // POOL_ROUND) * POOL_ROUND)
+        pool = self.spare.take(shape)
         if pool is None:
-            full = KVCache(self.cfg, key[1] + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
+            full = KVCache(self.cfg, shape[1] + 1, batch=slots, dtype=DTYPES[self.dtype], device=self.device)
             pool = Pool(full.k, full.v)
         caches = [KVCache.over(pool.k[:, s:s + 1, :, :max_len], pool.v[:, s:s + 1, :, :max_len])
                   for s in range(slots)]
-        views = Views(len(caches), self.spare, key, pool)
+        views = Views(len(caches), self.spare, pool)
         for s, c in enumerate(caches):
             c.device_slot = (pool, s)
             weakref.finalize(c, views.gone)  # the last view gone: the pool is spare
