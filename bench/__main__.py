@@ -8,6 +8,7 @@ EXAMPLES = """examples:
   python -m bench run --prompts mt_bench,humaneval --limit 20 --arms plain spork/ngram spork/self-int8/2x5x10
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
+  python -m bench run --engines engines/default --dtype bf16 --arms plain spork/store   # the bf16 oneDNN target
   python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
   python -m bench roofline engines/default engines/int4        # forward(T) against this machine's bound
   python -m bench roofline engines/default --torch bf16,fp32   # and the torch.compile lever, same run
@@ -62,6 +63,12 @@ def add_common(p) -> None:
     p.add_argument("--engines", default=None, help="ONNX Runtime engines folder (default: the torch engine)")
 
 
+def add_dtype(p) -> None:
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: the spork and plain arms run the --engines build's checkpoint in bf16 on oneDNN's "
+                        "kernels (engines/onednn_engine.py), not its ONNX target (default: %(default)s)")
+
+
 def add_rounds(p) -> None:
     p.add_argument("--rounds", type=int, default=4, help="run each prompt set in R interleaved rounds, every arm on "
                    "one round's prompts before the next (paired in time against machine drift; 1: each arm on the "
@@ -80,12 +87,13 @@ def main(argv=None) -> int:
                         "peer/hf-greedy | peer/hf-prompt-lookup | peer/llama-cpp | peer/llama-cpp-prompt-lookup | "
                         "peer/ort-genai (llama.cpp and onnxruntime-genai: `make bench-peers` installs them)")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
+    add_dtype(r)
     add_rounds(r)
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(gt)
-    gt.set_defaults(engines="engines/default", limit=20)
+    gt.set_defaults(engines="engines/default", limit=20, dtype="fp32")
     gt.add_argument("--taus", default="0.3,0.5,0.7,0.9", help="comma list of thresholds (default: %(default)s)")
     gt.add_argument("--draft", default="ngram", help="the drafter (default: %(default)s)")
     gt.add_argument("--out", default="results/gate")
@@ -170,6 +178,7 @@ def main(argv=None) -> int:
     w.add_argument("--arm", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--shard", default="0/1", help="K/R: the prompts whose index is K modulo R (default: all)")
+    add_dtype(w)
     pl = sub.add_parser("plain", help="plain greedy tokens/s: ours vs transformers, and the bandwidth bound",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(pl)

@@ -52,6 +52,7 @@ def worker_command(a, prompts: str, arm: str, out: Path, shard: str) -> list[str
     cmd += ["--model", a.model] if a.model else []
     cmd += ["--engines", a.engines] if a.engines else []
     cmd += ["--seed", str(a.seed)] if a.seed is not None else []
+    cmd += ["--dtype", a.dtype] if a.dtype != "fp32" else []
     return cmd
 
 

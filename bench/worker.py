@@ -21,7 +21,10 @@ from .prompts import git_sha, load_prompts
 def make_runner(arm, a):
     """(backend name, tokenizer, run(prompt ids, cfg) -> (token ids, Stats)) for an arm."""
     if arm.mode != "peer":
-        rt = Runtime.from_engines(a.engines) if a.engines else Runtime.load(a.model)
+        if a.dtype != "fp32" and not a.engines:
+            raise UserError(f"--dtype {a.dtype} runs a build's checkpoint: pass --engines")
+        device = None if a.dtype == "fp32" else "cpu"  # bf16: the checkpoint on oneDNN's kernels
+        rt = Runtime.from_engines(a.engines, device=device, dtype=a.dtype) if a.engines else Runtime.load(a.model)
         return rt.backend, rt.tokenizer, lambda ids, cfg: (lambda r: (r.token_ids, r.stats))(
             rt.generate(ids, cfg, arm.mode, arm.spec))
     from spork_trt.stats import Stats

@@ -22,6 +22,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Explain TCP" --engines engines/default --verifier on   # after export calibrate
   python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
   python -m spork_trt generate "Explain TCP" --device cuda                # GPU: the device engine, CUDA graphs
+  python -m spork_trt generate "Explain TCP" --dtype bf16                 # CPU: the checkpoint in bf16, oneDNN kernels
 """
 
 
@@ -67,8 +68,10 @@ def build_parser() -> Parser:
                    help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
                         "unverified until it runs on a GPU)")
     g.add_argument("--dtype", choices=DEVICE_DTYPES, default=DEVICE_DTYPE,
-                   help="the device engine's precision (--device cuda; default %(default)s, the lossless one: bf16 "
-                        "and fp16 are not row-invariant on a GPU)")
+                   help="the target's precision on a torch device (default %(default)s). --device cuda: the device "
+                        "engine (bf16 and fp16 are not row-invariant on a GPU); on the CPU, bf16 runs the "
+                        "checkpoint (of --model, or of the --engines build, with its tokenizer and datastore) on "
+                        "oneDNN's bf16 kernels, lossless against its own plain decoding (chains, not trees)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (default: "
                         f"{DEFAULT_ENGINES} when it holds a build and neither --model nor --device cuda is given; else "
@@ -144,7 +147,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     a.engines, which = default_engines(a)
     if a.verify and not a.engines:
         raise UserError("--verify checks a build's artifacts: pass --engines DIR")
-    rt = Runtime.from_engines(a.engines, verify=a.verify) if a.engines else Runtime.load(a.model, a.device, a.dtype)
+    if a.engines and a.dtype not in ("fp32", "bf16"):
+        raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 runs its "
+                        "checkpoint on oneDNN's bf16 kernels")
+    on_cpu = "cpu" if a.dtype == "bf16" else None  # a build's checkpoint in bf16 (the ONNX target otherwise)
+    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=on_cpu, dtype=a.dtype) if a.engines
+          else Runtime.load(a.model, a.device, a.dtype))
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)

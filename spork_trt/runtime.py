@@ -61,8 +61,9 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = DEVICE_DTYPE) -> Runtime:
-        """The torch reference engine, from a checkpoint (None: the embedded default); on another `device` (cuda)
-        the target runs on the device engine (engines/device_engine.py) in `dtype` (fp32 | fp16 | bf16)."""
+        """The torch reference engine, from a checkpoint (None: the embedded default); on another `device` (cuda) or
+        `dtype` the target runs in `dtype` (fp32 | fp16 | bf16) on the device engine, or on the CPU in bf16 on
+        oneDNN's kernels (torch_target)."""
         from .engines.torch_engine import TorchEngine
         from .quant import int4_copy, int8_copy
 
@@ -90,11 +91,9 @@ class Runtime:
                                  ck.cfg.vocab_size, draft.cfg.vocab_size, d.arg)
             return TorchEngine(draft.model)
 
-        if device == "cpu":
+        if device == "cpu" and dtype == "fp32":
             return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
-        from .engines.device_engine import DeviceEngine
-
-        return cls(ck.cfg, tok, DeviceEngine(ck.model, device, dtype), draft_engine, f"torch-{device}-{dtype}")
+        return cls(ck.cfg, tok, torch_target(ck.model, device, dtype), draft_engine, f"torch-{device}-{dtype}")
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
@@ -102,8 +101,8 @@ class Runtime:
                      ) -> Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
-        `load_head`). `device` (cuda; cpu runs the same code eagerly): the target runs on the device engine from
-        the build's source checkpoint in `dtype`, the build's tokenizer, datastore and draft head around it (no
+        `load_head`). `device` (cuda; cpu runs the same code eagerly, bf16 on oneDNN's kernels): the target runs
+        from the build's source checkpoint in `dtype` (torch_target), the build's tokenizer, datastore and draft head around it (no
         early-layer verifier: its engine reads the target's cache). A build whose files do not match its manifest
         is refused (sizes; sha256 too when `verify`: manifest.read)."""
         from .engines import load_engine
@@ -115,10 +114,10 @@ class Runtime:
         tok = load_tokenizer(d, "hf", cfg.eos_token_ids)
         built = m["engines"]
         if device is not None:
-            from .engines.device_engine import DeviceEngine, require_device
+            from .engines.device_engine import require_device
 
             require_device(device)  # one clear line, before the checkpoint loads
-            target = DeviceEngine(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
+            target = torch_target(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
             m = {**m, "backend": f"torch-{device}-{dtype}"}
 
         def draft_engine(draft: DraftSpec):
@@ -226,6 +225,18 @@ class Runtime:
                  stats: Stats | None = None) -> GenerationResult:
         """One request alone (the engine core with a batch of one); `stats`, when given, filled in place."""
         return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec), on_tokens, stats)
+
+
+def torch_target(model, device: str, dtype: str, taps: tuple[int, ...] = ()):
+    """The target from a checkpoint on a torch device: bf16 on the CPU runs on oneDNN's prepacked kernels
+    (engines/onednn_engine.py), anything else on the device engine."""
+    if device == "cpu" and dtype == "bf16":
+        from .engines.onednn_engine import OneDnnEngine
+
+        return OneDnnEngine(model, taps)
+    from .engines.device_engine import DeviceEngine
+
+    return DeviceEngine(model, device, dtype, taps)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:

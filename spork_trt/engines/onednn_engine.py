@@ -1,0 +1,136 @@
+"""The reference model in bf16 on a CPU, its matmuls on oneDNN's prepacked kernels (`--device cpu --dtype bf16`):
+the lever that flattens the forward's cost curve on a CPU with bf16 dot products (AVX512-BF16, AMX), measured in
+docs/engines.md. Weights are reordered once into oneDNN's blocked layout (what torch.compile's freezing does, without
+a compile per shape: that took 35-70 s per shape on 2 cores and was not cached across processes).
+
+It runs over the device engine's pools and slots, eagerly, with two differences that make it lossless:
+
+- The forward attends only the positions its sequences reach, rounded up to CTX_ROUND (the device engine attends
+  the whole slot), and its columns are absolute positions: a layer writes its new K/V rows into the pool first
+  (one index_put_), then attends positions [0, C). A chain token's softmax and P @ V terms then sit at the same
+  columns whether it is computed alone or inside a chain, so they are summed in the same order (with bf16
+  rounding after the sum, another order changed the argmax within 16 tokens). A tree's rows sit elsewhere than the
+  same tokens of a chain, so this engine verifies chains (`exact_trees` False), as a quantized ONNX target does.
+- oneDNN picks another kernel for a matmul of one row than for two or more (on an AVX512-BF16 EPYC, 1 row in 4 of
+  the MLP's down projection differs in the last bit), so every forward runs at least `row_floor` rows (B x T),
+  padding with rows nobody reads; the LM head runs at the asked-for rows only, at least `row_floor` of them.
+
+  forward   ids, pos, write [B, T] (padding rows write the scratch position); mask [B, T, C] over positions
+            -> logits [R, V] at the asked-for rows only (hidden [B, T, k*C'] with taps); the pool's K/V [L, slots, Hkv, Smax + 1, D]
+            written in place at `write`
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..model import Transformer
+from .device_engine import T_BUCKETS, DeviceEngine, Pool, bucket
+
+CTX_ROUND = 256  # a forward attends positions [0, C), C a multiple of this
+ROW_FLOOR = 2  # rows a forward runs at least (measured: tests/test_onednn_engine.py, docs/engines.md)
+PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
+
+
+def require_onednn() -> None:
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        raise UserError("--device cpu --dtype bf16 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX, and a "
+                        "torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear (no bias) with its bf16 weight reordered once into oneDNN's layout."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().to(torch.bfloat16)  # [out, in]
+        self.out_features = w.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear of `model` by a PackedLinear, in place (a tied LM head gets its own packed copy)."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, PackedLinear(child))
+        else:
+            pack_linears(child)
+
+
+class WindowKV:
+    """model.KVStore over the first B slots of the pool: a layer's new rows are written in place at `write`
+    positions, then it attends the first C positions of its slots."""
+
+    def __init__(self, pool: Pool, b: int, write: torch.Tensor, c: int) -> None:
+        self.pool, self.b, self.write, self.c = pool, b, write, c  # write [B, T]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, C, D] (views of the pool)."""
+        b, h = k.shape[:2]
+        at = (torch.tensor(layer), torch.arange(b)[:, None, None], torch.arange(h)[None, :, None],
+              self.write[:, None, :])  # broadcast to [B, Hkv, T]
+        self.pool.k.index_put_(at, k.to(self.pool.k.dtype))
+        self.pool.v.index_put_(at, v.to(self.pool.v.dtype))
+        return self.pool.k[layer, :self.b, :, :self.c], self.pool.v[layer, :self.b, :, :self.c]
+
+
+class OneDnnEngine(DeviceEngine):
+    """A CPU target in bf16: the device engine's pools and slots, prepacked matmuls, windowed absolute attention
+    (see the module doc)."""
+
+    exact_trees = False  # a tree's rows attend their ancestors at other columns than a chain's: chains are exact
+
+    def __init__(self, model: Transformer, taps: tuple[int, ...] = (), row_floor: int = ROW_FLOOR) -> None:
+        require_onednn()
+        super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
+        pack_linears(self.model)
+        self.row_floor = row_floor
+
+    def tokens_bucket(self, b: int, n: int) -> int:
+        """T for a forward of B slots and up to n tokens each: its bucket, raised until B x T >= row_floor."""
+        t = bucket(n, T_BUCKETS)
+        while b * t < self.row_floor:
+            t = bucket(t + 1, T_BUCKETS)
+        return t
+
+    @torch.inference_mode()
+    def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
+        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows)."""
+        found = [getattr(e[0], "device_slot", None) for e in entries]
+        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
+            raise ValueError("every sequence of a forward must be a slot of one pool this engine made")
+        pool: Pool = found[0][0]
+        slots = [f[1] for f in found]
+        b = max(slots) + 1
+        t = self.tokens_bucket(b, max(len(e[1]) for e in entries))
+        bases = [cache.length + cache.pending for cache, *_ in entries]
+        end = max(base + len(e[1]) for base, e in zip(bases, entries))
+        c = min(-(-end // CTX_ROUND) * CTX_ROUND, pool.scratch)  # columns: absolute positions [0, C)
+        ids = torch.zeros(b, t, dtype=torch.long)
+        pos = torch.zeros(b, t, dtype=torch.long)
+        write = torch.full((b, t), pool.scratch, dtype=torch.long)  # padding rows write the scratch position
+        mask = torch.zeros(b, t, c, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding rows attend position 0 (their outputs are not read)
+        flat = []
+        for (cache, tokens, positions, m, rows), s, base in zip(entries, slots, bases):
+            n = len(tokens)
+            ids[s, :n], pos[s, :n] = torch.tensor(tokens), torch.tensor(positions)
+            write[s, :n] = torch.arange(base, base + n)
+            mask[s, :n, :base + n] = m
+            flat.extend(s * t + r for r in rows)
+        asked = torch.tensor(flat + [0] * max(self.row_floor - len(flat), 0), dtype=torch.long)  # the LM head's
+        # rows: the asked-for ones, at least row_floor of them too
+        out = self.model(ids, pos, mask, kv=WindowKV(pool, b, write, c), taps=self.taps if hidden is not None else (),
+                         logit_rows=asked)
+        for (cache, tokens, *_), s in zip(entries, slots):
+            cache.written(len(tokens))
+            if hidden is not None:
+                hidden.append(out.hidden[s, :len(tokens)].float())  # [n, k*C]
+        logits = out.logits[:len(flat)].float()  # [R, V]
+        return list(torch.split(logits, [len(e[4]) for e in entries]))

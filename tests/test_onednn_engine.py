@@ -1,0 +1,83 @@
+"""The bf16 CPU engine (engines/onednn_engine.py) on the default model: a chain token's logits are the same, bit for
+bit, computed alone, inside a chain, inside a batch and beside a neighbour's prompt chunk; without its row floor they
+are not (so the test can fail); plain and spork decoding through the runtime give the same tokens, alone and batched
+through the engine core."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.core import CoreConfig, EngineCore
+from spork_trt.engines import chain_input
+from spork_trt.runtime import Runtime
+from tests.conftest import run_core
+from tests.test_row_invariance import logits_alone, logits_beside_a_prompt, logits_in_a_batch, logits_in_a_tree
+
+onednn = pytest.importorskip("spork_trt.engines.onednn_engine")
+if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)", allow_module_level=True)
+
+PROMPTS = ["Write a short poem about the sea.", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+
+
+@pytest.fixture(scope="module")
+def engine(default_checkpoint):
+    return onednn.OneDnnEngine(default_checkpoint.model)
+
+
+def test_a_chain_token_is_the_same_alone_in_a_chain_in_a_batch_and_beside_a_prompt(engine):
+    alone = logits_alone(engine)
+    assert torch.equal(alone, logits_in_a_tree(engine))  # NEXT as one chain: a tree's path
+    assert torch.equal(alone, logits_in_a_batch(engine))
+    assert torch.equal(alone, logits_beside_a_prompt(engine))
+
+
+def chain_then_alone(engine, prompt: list[int], chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chain`'s logits [n, V] after `prompt`: in one forward, then one token per forward."""
+    out = []
+    for chunks in ([chain], [[t] for t in chain]):
+        cache = engine.make_pool(1, 256).caches[0]
+        engine.forward_batch([chain_input(cache, prompt)])
+        cache.commit()
+        rows = []
+        for ch in chunks:
+            rows.append(engine.forward_batch([chain_input(cache, ch)])[0])
+            cache.commit()
+        out.append(torch.cat(rows))
+    return out[0], out[1]
+
+
+def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
+    """oneDNN's one-row kernel sums the MLP's down projection in another order (measured on an AVX512-BF16 EPYC:
+    1 row in 4 differs in the last bit): with row_floor 1, 16 tokens alone give other logits than the same 16 as
+    one chain; with the floor, the same."""
+    g = torch.Generator().manual_seed(0)
+    prompt, chain = (torch.randint(0, 49152, (n,), generator=g).tolist() for n in (100, 16))
+    chained, alone = chain_then_alone(engine, prompt, chain)
+    assert torch.equal(chained, alone)
+    engine.row_floor = 1
+    try:
+        chained1, alone1 = chain_then_alone(engine, prompt, chain)
+    finally:
+        engine.row_floor = onednn.ROW_FLOOR
+    assert torch.equal(chained1, chained) and not torch.equal(alone1, alone)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return Runtime.load(None, "cpu", "bf16")
+
+
+def test_spork_on_bf16_is_lossless_alone_and_batched(runtime):
+    assert runtime.backend == "torch-cpu-bf16" and not runtime.engine.exact_trees
+    cfg = GenerateConfig(max_new_tokens=40)
+    spec = SpecConfig(draft="ngram", tree_width=3, tree_depth=4, tree_budget=12)  # resolved to a chain of 4
+    ids = [runtime.tokenizer.encode_prompt(p) for p in PROMPTS]
+    plain = [runtime.generate(p, cfg).token_ids for p in ids]
+    for p, want in zip(ids, plain):
+        got = runtime.generate(p, cfg, "spork", spec)
+        assert got.token_ids == want
+    core = EngineCore(runtime.engine, runtime.cfg.vocab_size, CoreConfig(slots=2, max_len=256, prefill_tokens=16))
+    out = run_core(core, [runtime.request(p, cfg, "spork" if i else "plain", spec) for i, p in enumerate(ids)])
+    assert [out[i].token_ids for i in range(len(ids))] == plain
