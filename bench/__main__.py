@@ -271,6 +271,7 @@ def main(argv=None) -> int:
                     help="seconds the drained replica's in-flight requests get (default: %(default)s)")
     fo.add_argument("--out", default="results/failover")
     fo.add_argument("--json", action="store_true")
+    add_dtype(sv)
     sv.add_argument("--out", default="results/serve")
     sv.add_argument("--json", action="store_true")
     gp = sub.add_parser("gpu", help="the GPU engine's check: parity, plain vs HF generate, spork at batch 1, "

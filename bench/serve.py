@@ -111,13 +111,13 @@ def level(prompts: list[str], mode: str, conc: int, server, max_tokens: int, lab
             "texts": [r["text"] for r in rows]}
 
 
-def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int) -> dict:
+def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int, dtype: str = "fp32") -> dict:
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
     from spork_trt.config import GenerateConfig, SpecConfig
     from spork_trt.draft_kinds import AUTO_DRAFT
     from spork_trt.runtime import Runtime
 
-    rt = Runtime.from_engines(engines)
+    rt = Runtime.from_engines(engines, device=target_device(dtype), dtype=dtype)
     spec = SpecConfig.for_draft(AUTO_DRAFT)  # what the server renders (--draft auto)
     ids = [rt.tokenizer.encode_prompt(p) for p in prompts]
     rt.generate(ids[0], GenerateConfig(max_new_tokens=16), mode, spec)  # warm-up
@@ -202,6 +202,12 @@ def paired_ratios(levels: list[dict], modes: list[str], key: str = "output_token
     return out
 
 
+def target_device(dtype: str) -> str | None:
+    """Where the served target runs for bench's --dtype: the build's ONNX target (fp32), or its checkpoint in bf16 on
+    oneDNN's kernels (the cpu torch engine)."""
+    return None if dtype == "fp32" else "cpu"
+
+
 def main(a) -> int:
     from spork_trt.serve import ServerConfig, TritonServer, free_port
     from spork_trt.triton_repo import RepoConfig, render
@@ -219,10 +225,11 @@ def main(a) -> int:
     if reference:
         servers.append((f"max-batch {a.max_batch}", a.max_batch, reference))
     summary = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-               "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": [],
+               "dtype": a.dtype, "prompts": a.prompts, "n_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "levels": [],
                "server_rss_mb": {}}
     for label, slots, conc in servers:
-        repo = render(RepoConfig(engines, out / f"repo-{slots}-slots", slots=slots, max_queue=max(conc)))
+        repo = render(RepoConfig(engines, out / f"repo-{slots}-slots", slots=slots, max_queue=max(conc),
+                                 device=target_device(a.dtype) or "", dtype=a.dtype))
         cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
         print(f"[bench serve] starting Triton on {repo} ({label})", file=sys.stderr, flush=True)
         with TritonServer(cfg) as server:
@@ -234,7 +241,7 @@ def main(a) -> int:
         served = next((r for r in summary["levels"] if r["mode"] == mode and r["concurrency"] == 1), None)
         if served:
             print(f"[bench serve] local generate ({mode})", file=sys.stderr, flush=True)
-            local = local_arm(engines, prompts, mode, a.max_new_tokens)
+            local = local_arm(engines, prompts, mode, a.max_new_tokens, a.dtype)
             summary["overhead"][mode] = {
                 "local_tokens_per_second": local["tokens_per_second"],
                 "served_tokens_per_second": served["output_tokens_per_second"],

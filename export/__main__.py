@@ -88,11 +88,12 @@ def parser() -> argparse.ArgumentParser:
                         "KIND_GPU; gpu-onnx: the build's graphs on ONNX Runtime's TensorRT/CUDA execution providers, "
                         "KIND_GPU (both gpu profiles unverified: never run on a GPU)")
     t.add_argument("--device", choices=["cuda", "cpu", "onnx"], default=None,
-                   help="where the spork model's target runs: cuda or cpu = the device engine there (cpu: its code "
+                   help="where the spork model's target runs: cuda or cpu = the build's checkpoint on a torch engine "
+                        "there (cpu with --dtype bf16: oneDNN's bf16 kernels; cpu in fp32: the device engine's code "
                         "eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
                         "gpu, else onnx)")
     t.add_argument("--dtype", choices=DEVICE_DTYPES, default=RepoConfig.dtype,
-                   help="the device engine's precision (default: %(default)s)")
+                   help="that torch engine's precision (default: %(default)s)")
 
     t.add_argument("--instances", type=int, default=RepoConfig.instances,
                    help="spork model instances, each one engine core over its own KV pool (default: %(default)s)")
