@@ -12,6 +12,7 @@ EXAMPLES = """examples:
   python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
   python -m bench roofline engines/default engines/int4        # forward(T) against this machine's bound
   python -m bench roofline engines/default --torch bf16,fp32   # and the torch.compile lever, same run
+  python -m bench roofline engines/default --dtype bf16        # and the bf16 oneDNN engine, same run
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
     ro.add_argument("--torch", default="", metavar="DTYPES", help="also the lever of the reference model under "
                     "torch.compile in these dtypes (bf16,fp32), at the same shapes: not an engine")
     ro.add_argument("--torch-eager", action="store_true", help="run --torch's model eagerly (no compile)")
+    ro.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: also each build's checkpoint on the bf16 oneDNN engine (default: %(default)s)")
     ro.add_argument("--out", default="results/roofline")
     ro.add_argument("--json", action="store_true")
     rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "

@@ -9,7 +9,8 @@ and not counted. Forwards run as the engine core runs them (`forward_batch`, the
 sequence of T new tokens after a committed context, and B sequences of one token each (a decode step of B
 requests). The bandwidth is torch summing a 512 MB array, the peak torch's fp32 (and bf16) matmul at 2048^3, all
 with this process's threads. `--torch bf16,fp32` adds the lever of bench/torch_lever.py (the reference model under
-torch.compile, not an engine) at the same shapes, bounded by its dtype's bytes and peak."""
+torch.compile, not an engine) at the same shapes, bounded by its dtype's bytes and peak; `--dtype bf16` the build's
+checkpoint on the bf16 oneDNN engine (an engine: engines/onednn_engine.py), bounded by bf16 bytes and peak."""
 from __future__ import annotations
 
 import json
@@ -92,15 +93,35 @@ def weight_cost(graph: Path) -> tuple[int, int]:
 def build_points(build: Path, machine: Machine, ts: list[int], batch: int, repeats: int) -> list[Point]:
     m = mf.read(build)
     entry, cfg = m["engines"]["target"], mf.spec_config(m["model"])
-    engine = load_engine(build, entry, cfg, target=True)
-    nbytes, params = weight_cost(build / entry["path"])
+    label = entry["precision"] + (" (checkpoint blocks)" if entry.get("weights") else "")
+    return engine_points(load_engine(build, entry, cfg, target=True), build, label,
+                         weight_cost(build / entry["path"]), machine.matmul_gflops, machine, ts, batch, repeats)
+
+
+def onednn_points(build: Path, machine: Machine, ts: list[int], batch: int, repeats: int) -> list[Point]:
+    """The build's checkpoint on the bf16 oneDNN engine (`--dtype bf16` of generate, bench run and serve)."""
+    from spork_trt.engines.onednn_engine import OneDnnEngine
+
+    from . import torch_lever
+
+    model = torch_lever.reference_model(build, "fp32")
+    params = torch_lever.weight_cost(model)[1]
+    return engine_points(OneDnnEngine(model), build, "bf16 (oneDNN engine)", (2 * params, params),
+                         machine.bf16_gflops, machine, ts, batch, repeats)
+
+
+def engine_points(engine, build: Path, label: str, cost: tuple[int, int], peak: float, machine: Machine,
+                  ts: list[int], batch: int, repeats: int) -> list[Point]:
+    """An engine's forwards as the engine core runs them, after CONTEXT committed rows; cost: (weight bytes,
+    parameters); peak: GFLOP/s of its matmuls."""
+    nbytes, params = cost
     pool = engine.make_pool(batch, CONTEXT + max(ts) + 4).caches
     for c in pool:
         engine.forward_batch([chain_input(c, [500 + i % 1000 for i in range(CONTEXT)], (CONTEXT - 1,))])
         c.commit()
 
     def bound(tokens: int) -> float:
-        return 1000 * max(nbytes / (machine.read_gbs * 1e9), 2 * params * tokens / (machine.matmul_gflops * 1e9))
+        return 1000 * max(nbytes / (machine.read_gbs * 1e9), 2 * params * tokens / (peak * 1e9))
 
     def once(seqs: list[list[int]]):
         def run():
@@ -109,7 +130,6 @@ def build_points(build: Path, machine: Machine, ts: list[int], batch: int, repea
                 c.commit([])
         return run
 
-    label = entry["precision"] + (" (checkpoint blocks)" if entry.get("weights") else "")
     points = [Point(str(build), label, f"T={t}", median_ms(once([list(range(7, 7 + t))]), repeats), bound(t))
               for t in ts]
     points.append(Point(str(build), label, f"{batch}x1", median_ms(once([[9]] * batch), repeats), bound(batch)))
@@ -145,6 +165,8 @@ def main(a) -> int:
     ts = [int(t) for t in a.tokens.split(",")]
     points = [p for b in a.builds for p in build_points(Path(b), machine, ts, a.batch, a.repeats)]
     checkpoints = {mf.read(Path(b))["source"]["sha256"]: Path(b) for b in reversed(a.builds)}  # once each
+    if a.dtype == "bf16":
+        points += [p for b in checkpoints.values() for p in onednn_points(b, machine, ts, a.batch, a.repeats)]
     points += [p for b in checkpoints.values() for d in dtypes
                for p in torch_points(b, machine, ts, a.batch, a.repeats, d, not a.torch_eager)]
     out = Path(a.out)

@@ -512,15 +512,21 @@ def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
         query("hi", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate"))
 
 
-def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines, tmp_path):
-    """`export triton --device cpu` (the gpu profile's device engine, its code run eagerly on the CPU): a real
-    tritonserver answers over gRPC streaming and HTTP with the device engine's own plain greedy text."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines, tmp_path, dtype):
+    """`export triton --device cpu` (fp32: the gpu profile's device engine, its code run eagerly on the CPU; bf16:
+    the oneDNN bf16 engine): a real tritonserver answers over gRPC streaming and HTTP with that engine's own plain
+    greedy text, speculating (spork, the build's datastore)."""
+    import torch
+
     from spork_trt.config import GenerateConfig
     from spork_trt.runtime import Runtime
     from spork_trt.triton_repo import RepoConfig, render
 
-    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device="cpu", dtype="fp32"))
-    rt = Runtime.from_engines(default_engines, device="cpu", dtype="fp32")
+    if dtype == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device="cpu", dtype=dtype))
+    rt = Runtime.from_engines(default_engines, device="cpu", dtype=dtype)
     drafted = 0
     with TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(),
                                    metrics_port=free_port())) as s:

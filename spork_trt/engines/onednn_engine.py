@@ -3,7 +3,9 @@ the lever that flattens the forward's cost curve on a CPU with bf16 dot products
 docs/engines.md. Weights are reordered once into oneDNN's blocked layout (what torch.compile's freezing does, without
 a compile per shape: that took 35-70 s per shape on 2 cores and was not cached across processes).
 
-It runs over the device engine's pools and slots, eagerly, with two differences that make it lossless:
+It runs over the device engine's pools and slots, eagerly, only the slots of the sequences in a forward (B = their
+number, T = the most new tokens of one: no static shapes, nothing to capture), with two differences that make it
+lossless:
 
 - The forward attends only the positions its sequences reach, rounded up to CTX_ROUND (the device engine attends
   the whole slot), and its columns are absolute positions: a layer writes its new K/V rows into the pool first
@@ -15,9 +17,9 @@ It runs over the device engine's pools and slots, eagerly, with two differences 
   the MLP's down projection differs in the last bit), so every forward runs at least `row_floor` rows (B x T),
   padding with rows nobody reads; the LM head runs at the asked-for rows only, at least `row_floor` of them.
 
-  forward   ids, pos, write [B, T] (padding rows write the scratch position); mask [B, T, C] over positions
-            -> logits [R, V] at the asked-for rows only (hidden [B, T, k*C'] with taps); the pool's K/V [L, slots, Hkv, Smax + 1, D]
-            written in place at `write`
+  forward   ids, pos, write [B, T] (padding rows write the scratch position); mask [B, T, C] over positions ->
+            logits [R, V] at the asked-for rows only (hidden [B, T, k*C'] with taps); the pool's K/V [L, slots, Hkv,
+            Smax + 1, D] written in place at `write`
 """
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ from torch import nn
 
 from ..errors import UserError
 from ..model import Transformer
-from .device_engine import T_BUCKETS, DeviceEngine, Pool, bucket
+from .device_engine import DeviceEngine, Pool
 
-CTX_ROUND = 256  # a forward attends positions [0, C), C a multiple of this
+CTX_ROUND = 64  # a forward attends positions [0, C), C a multiple of this (each step copies that window)
 ROW_FLOOR = 2  # rows a forward runs at least (measured: tests/test_onednn_engine.py, docs/engines.md)
 PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
 
@@ -64,23 +66,19 @@ def pack_linears(model: nn.Module) -> None:
 
 
 class WindowKV:
-    """model.KVStore over the first B slots of the pool: a layer's new rows are written in place at `write`
-    positions, then it attends the first C positions of its slots."""
+    """model.KVStore over some slots of the pool: a layer's new rows are written in place at `write` positions,
+    then it attends the first C positions of those slots (gathered: a copy, contiguous for the matmuls)."""
 
-    def __init__(self, pool: Pool, b: int, write: torch.Tensor, c: int) -> None:
-        self.pool, self.b, self.write, self.c = pool, b, write, c  # write [B, T]
+    def __init__(self, pool: Pool, slots: torch.Tensor, write: torch.Tensor, c: int) -> None:
+        self.pool, self.slots, self.write, self.c = pool, slots, write, c  # slots [B]; write [B, T]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, C, D]."""
-        b, h = k.shape[:2]
-        at = (torch.tensor(layer), torch.arange(b)[:, None, None], torch.arange(h)[None, :, None],
+        at = (torch.tensor(layer), self.slots[:, None, None], torch.arange(k.shape[1])[None, :, None],
               self.write[:, None, :])  # broadcast to [B, Hkv, T]
         self.pool.k.index_put_(at, k.to(self.pool.k.dtype))
         self.pool.v.index_put_(at, v.to(self.pool.v.dtype))
-        # contiguous copies of the window: the 4-D matmul of Q by a strided window's transpose copied it
-        # transposed, 3x slower than this copy (16 slots x 256 positions: 190 us against 64 us a layer)
-        return (self.pool.k[layer, :self.b, :, :self.c].contiguous(),
-                self.pool.v[layer, :self.b, :, :self.c].contiguous())
+        return self.pool.k[layer, self.slots, :, :self.c], self.pool.v[layer, self.slots, :, :self.c]
 
 
 class OneDnnEngine(DeviceEngine):
@@ -95,23 +93,16 @@ class OneDnnEngine(DeviceEngine):
         pack_linears(self.model)
         self.row_floor = row_floor
 
-    def tokens_bucket(self, b: int, n: int) -> int:
-        """T for a forward of B slots and up to n tokens each: its bucket, raised until B x T >= row_floor."""
-        t = bucket(n, T_BUCKETS)
-        while b * t < self.row_floor:
-            t = bucket(t + 1, T_BUCKETS)
-        return t
-
     @torch.inference_mode()
     def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
-        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows)."""
+        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows). Only
+        the entries' own slots run (the device engine runs every slot below the highest, for its static shapes)."""
         found = [getattr(e[0], "device_slot", None) for e in entries]
         if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
             raise ValueError("every sequence of a forward must be a slot of one pool this engine made")
         pool: Pool = found[0][0]
-        slots = [f[1] for f in found]
-        b = max(slots) + 1
-        t = self.tokens_bucket(b, max(len(e[1]) for e in entries))
+        b = len(entries)
+        t = max(max(len(e[1]) for e in entries), -(-self.row_floor // b))  # at least row_floor rows in all
         bases = [cache.length + cache.pending for cache, *_ in entries]
         end = max(base + len(e[1]) for base, e in zip(bases, entries))
         c = min(-(-end // CTX_ROUND) * CTX_ROUND, pool.scratch)  # columns: absolute positions [0, C)
@@ -121,19 +112,19 @@ class OneDnnEngine(DeviceEngine):
         mask = torch.zeros(b, t, c, dtype=torch.bool)
         mask[:, :, 0] = True  # padding rows attend position 0 (their outputs are not read)
         flat = []
-        for (cache, tokens, positions, m, rows), s, base in zip(entries, slots, bases):
+        for i, ((cache, tokens, positions, m, rows), base) in enumerate(zip(entries, bases)):
             n = len(tokens)
-            ids[s, :n], pos[s, :n] = torch.tensor(tokens), torch.tensor(positions)
-            write[s, :n] = torch.arange(base, base + n)
-            mask[s, :n, :base + n] = m
-            flat.extend(s * t + r for r in rows)
+            ids[i, :n], pos[i, :n] = torch.tensor(tokens), torch.tensor(positions)
+            write[i, :n] = torch.arange(base, base + n)
+            mask[i, :n, :base + n] = m
+            flat.extend(i * t + r for r in rows)
         asked = torch.tensor(flat + [0] * max(self.row_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least row_floor of them too
-        out = self.model(ids, pos, mask, kv=WindowKV(pool, b, write, c), taps=self.taps if hidden is not None else (),
-                         logit_rows=asked)
-        for (cache, tokens, *_), s in zip(entries, slots):
+        kv = WindowKV(pool, torch.tensor([f[1] for f in found]), write, c)
+        out = self.model(ids, pos, mask, kv=kv, taps=self.taps if hidden is not None else (), logit_rows=asked)
+        for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
             if hidden is not None:
-                hidden.append(out.hidden[s, :len(tokens)].float())  # [n, k*C]
+                hidden.append(out.hidden[i, :len(tokens)].float())  # [n, k*C]
         logits = out.logits[:len(flat)].float()  # [R, V]
         return list(torch.split(logits, [len(e[4]) for e in entries]))
