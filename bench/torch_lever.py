@@ -58,8 +58,12 @@ def forward_fn(model: Transformer, compiled: bool):
         return model(ids, pos, mask, kv=ContextKV(ks, vs), logit_rows=torch.arange(ids.numel())).logits
     if not compiled:
         return f
+    import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
+    # every shape and dtype compiles `f` again (one code object): past dynamo's default limit of 8 it ran eagerly
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256)
     inductor.freezing = True  # weights are constants: inductor prepacks them for its matmuls
     return torch.compile(f, dynamic=False)
 
