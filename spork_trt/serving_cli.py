@@ -94,16 +94,29 @@ def interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def served_target(repo) -> str:
+    """The startup line's target: the build's, or its checkpoint on a torch engine where the repository says so."""
+    from . import manifest as mf
+    from .triton_repo import spork_model
+
+    spork = spork_model(repo)
+    m = mf.read(spork.engines)
+    device, dtype = spork.params.get("device", ""), spork.params.get("dtype", "")
+    if not device:
+        return mf.describe_target(m)
+    engine = "the oneDNN bf16 engine" if (device, dtype) == ("cpu", "bf16") else f"the device engine on {device}"
+    return f"{dtype} target (the build's checkpoint on {engine}), {m['engines']['target']['layers']} layers"
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import signal
     import time
     from pathlib import Path
 
-    from . import manifest as mf
     from .openai_api.server import FrontConfig, OpenAIServer, refuse_port_in_use
     from .replicas import ReplicaSet
     from .serve import ServerConfig, TritonServer
-    from .triton_repo import RepoConfig, engines_of, ensure_rendered, is_rendered
+    from .triton_repo import RepoConfig, ensure_rendered, is_rendered
 
     if a.verify and a.repo:
         raise UserError("--verify checks the build of --engines before rendering its repository: drop --repo (or "
@@ -121,7 +134,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, interrupt)
     # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupt)
-    served = mf.describe_target(mf.read(engines_of(repo))) if is_rendered(repo) else "not a rendered repository"
+    served = served_target(repo) if is_rendered(repo) else "not a rendered repository"
     server = ReplicaSet(cfg, a.replicas) if a.replicas != 1 else TritonServer(cfg)
     what = f"{a.replicas} tritonservers behind haproxy" if a.replicas != 1 else "tritonserver"
     print(f"starting {what} on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)

@@ -108,6 +108,17 @@ def test_a_repository_rendered_by_another_version_is_rendered_again(default_engi
     assert ensure_rendered(cfg) == repo and adapters_current(repo)
 
 
+def test_the_startup_line_names_the_target_the_repository_serves(default_engines, tmp_path):
+    """`serve` prints what it serves: the build's target, or its checkpoint on a torch engine (export triton
+    --device cpu --dtype bf16: the oneDNN bf16 engine)."""
+    from spork_trt.serving_cli import served_target
+
+    onnx = render(RepoConfig(default_engines, tmp_path / "onnx"))
+    bf16 = render(RepoConfig(default_engines, tmp_path / "bf16", device="cpu", dtype="bf16"))
+    assert served_target(onnx).startswith("fp32 target, ")
+    assert served_target(bf16).startswith("bf16 target (the build's checkpoint on the oneDNN bf16 engine), ")
+
+
 def test_a_step_s_error_kind_is_found_from_its_message():
     from spork_trt.io_spec import error_kind
 
