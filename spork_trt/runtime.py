@@ -102,8 +102,8 @@ class Runtime:
         """Engines built by `python -m export build` (ONNX Runtime on the given execution providers; TensorRT plans
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
         `load_head`). `device` (cuda; cpu runs the same code eagerly, bf16 on oneDNN's kernels): the target runs
-        from the build's source checkpoint in `dtype` (torch_target), the build's tokenizer, datastore and draft head around it (no
-        early-layer verifier: its engine reads the target's cache). A build whose files do not match its manifest
+        from the build's source checkpoint in `dtype` (torch_target), the build's tokenizer, datastore and draft
+        head around it (no early-layer verifier: its engine reads the target's cache). A build whose files do not match its manifest
         is refused (sizes; sha256 too when `verify`: manifest.read)."""
         from .engines import load_engine
         from . import manifest as mf
@@ -116,8 +116,11 @@ class Runtime:
         if device is not None:
             from .engines.device_engine import require_device
 
+            from .engines.onednn_engine import built_on_one_thread
+
             require_device(device)  # one clear line, before the checkpoint loads
-            target = torch_target(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
+            with built_on_one_thread():  # its forwards may run on another thread (the server's engine core)
+                target = torch_target(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
             m = {**m, "backend": f"torch-{device}-{dtype}"}
 
         def draft_engine(draft: DraftSpec):

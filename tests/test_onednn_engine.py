@@ -18,7 +18,8 @@ onednn = pytest.importorskip("spork_trt.engines.onednn_engine")
 if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
     pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)", allow_module_level=True)
 
-PROMPTS = ["Write a short poem about the sea.", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+PROMPTS = ["Write a short poem about the sea.",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
 
 
 @pytest.fixture(scope="module")
