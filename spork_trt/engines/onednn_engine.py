@@ -110,6 +110,10 @@ class OneDnnEngine(DeviceEngine):
         pack_linears(self.model)
         self.row_floor = row_floor
 
+    def make_pool(self, slots: int, max_len: int):
+        with built_on_one_thread():  # zeroing a large pool runs parallel on the caller: see built_on_one_thread
+            return super().make_pool(slots, max_len)
+
     @torch.inference_mode()
     def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
         """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows). Only
