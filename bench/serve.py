@@ -115,9 +115,9 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int, dty
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
     from spork_trt.config import GenerateConfig, SpecConfig
     from spork_trt.draft_kinds import AUTO_DRAFT
-    from spork_trt.runtime import Runtime
+    from spork_trt.runtime import Runtime, build_target_device
 
-    rt = Runtime.from_engines(engines, device=target_device(dtype), dtype=dtype)
+    rt = Runtime.from_engines(engines, device=build_target_device(dtype), dtype=dtype)
     spec = SpecConfig.for_draft(AUTO_DRAFT)  # what the server renders (--draft auto)
     ids = [rt.tokenizer.encode_prompt(p) for p in prompts]
     rt.generate(ids[0], GenerateConfig(max_new_tokens=16), mode, spec)  # warm-up
@@ -202,14 +202,9 @@ def paired_ratios(levels: list[dict], modes: list[str], key: str = "output_token
     return out
 
 
-def target_device(dtype: str) -> str | None:
-    """Where the served target runs for bench's --dtype: the build's ONNX target (fp32), or its checkpoint in bf16 on
-    oneDNN's kernels (the cpu torch engine)."""
-    return None if dtype == "fp32" else "cpu"
-
-
 def main(a) -> int:
     from spork_trt.serve import ServerConfig, TritonServer, free_port
+    from spork_trt.runtime import build_target_device
     from spork_trt.triton_repo import RepoConfig, render
 
     engines = Path(a.engines or "engines/default")
@@ -229,7 +224,7 @@ def main(a) -> int:
                "server_rss_mb": {}}
     for label, slots, conc in servers:
         repo = render(RepoConfig(engines, out / f"repo-{slots}-slots", slots=slots, max_queue=max(conc),
-                                 device=target_device(a.dtype) or "", dtype=a.dtype))
+                                 device=build_target_device(a.dtype) or "", dtype=a.dtype))
         cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
         print(f"[bench serve] starting Triton on {repo} ({label})", file=sys.stderr, flush=True)
         with TritonServer(cfg) as server:

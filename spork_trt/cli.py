@@ -135,7 +135,7 @@ def default_engines(a: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .runtime import Runtime
+    from .runtime import Runtime, build_target_device
     from .tokenizer import StreamDecoder
 
     cfg, spec = generate_config(a), spec_config(a)
@@ -150,9 +150,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.engines and a.dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 runs its "
                         "checkpoint on oneDNN's bf16 kernels")
-    on_cpu = "cpu" if a.dtype == "bf16" else None  # a build's checkpoint in bf16 (the ONNX target otherwise)
-    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=on_cpu, dtype=a.dtype) if a.engines
-          else Runtime.load(a.model, a.device, a.dtype))
+    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=build_target_device(a.dtype), dtype=a.dtype)
+          if a.engines else Runtime.load(a.model, a.device, a.dtype))
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)

@@ -103,8 +103,8 @@ class Runtime:
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
         `load_head`). `device` (cuda; cpu runs the same code eagerly, bf16 on oneDNN's kernels): the target runs
         from the build's source checkpoint in `dtype` (torch_target), the build's tokenizer, datastore and draft
-        head around it (no early-layer verifier: its engine reads the target's cache). A build whose files do not match its manifest
-        is refused (sizes; sha256 too when `verify`: manifest.read)."""
+        head around it (no early-layer verifier: its engine reads the target's cache). A build whose files do not
+        match its manifest is refused (sizes; sha256 too when `verify`: manifest.read)."""
         from .engines import load_engine
         from . import manifest as mf
 
@@ -120,7 +120,8 @@ class Runtime:
 
             require_device(device)  # one clear line, before the checkpoint loads
             with built_on_one_thread():  # its forwards may run on another thread (the server's engine core)
-                target = torch_target(source_checkpoint(m).model, device, dtype, tuple(built["target"].get("taps", ())))
+                taps = tuple(built["target"].get("taps", ()))
+                target = torch_target(source_checkpoint(m).model, device, dtype, taps)
             m = {**m, "backend": f"torch-{device}-{dtype}"}
 
         def draft_engine(draft: DraftSpec):
@@ -228,6 +229,12 @@ class Runtime:
                  stats: Stats | None = None) -> GenerationResult:
         """One request alone (the engine core with a batch of one); `stats`, when given, filled in place."""
         return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec), on_tokens, stats)
+
+
+def build_target_device(dtype: str) -> str | None:
+    """Where a build's target runs for a `--dtype`: its ONNX target (None) for fp32, else its checkpoint on the CPU's
+    torch engine (bf16: oneDNN's)."""
+    return None if dtype == "fp32" else "cpu"
 
 
 def torch_target(model, device: str, dtype: str, taps: tuple[int, ...] = ()):

@@ -15,7 +15,7 @@ from tests.conftest import run_core
 from tests.test_row_invariance import logits_alone, logits_beside_a_prompt, logits_in_a_batch, logits_in_a_tree
 
 onednn = pytest.importorskip("spork_trt.engines.onednn_engine")
-if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+if not onednn.onednn_bf16_available():
     pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)", allow_module_level=True)
 
 PROMPTS = ["Write a short poem about the sea.",

@@ -207,13 +207,17 @@ class DeviceEngine(Engine):
         entry = (c, tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()), mask[0], want)
         return self.run([entry], hidden)[0][None]
 
-    def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
-        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows)."""
+    @staticmethod
+    def slots_of(entries: list[tuple]) -> tuple[Pool, list[int]]:
+        """The pool the entries' caches are slots of, and their slot indices."""
         found = [getattr(e[0], "device_slot", None) for e in entries]
         if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
             raise ValueError("every sequence of a forward must be a slot of one pool this engine made")
-        pool = found[0][0]
-        slots = [f[1] for f in found]
+        return found[0][0], [f[1] for f in found]
+
+    def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
+        """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows)."""
+        pool, slots = self.slots_of(entries)
         b = bucket(max(slots) + 1, tuple(range(1, pool.k.shape[1] + 1)))
         t = self.pick(pool, b, max(len(e[1]) for e in entries))
         buf = self.bucket(pool, b, t)

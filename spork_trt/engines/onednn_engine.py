@@ -52,8 +52,13 @@ def built_on_one_thread():
         torch.set_num_threads(n)
 
 
+def onednn_bf16_available() -> bool:
+    """Whether this CPU and torch build have oneDNN's bf16 kernels (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def require_onednn() -> None:
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not onednn_bf16_available():
         raise UserError("--device cpu --dtype bf16 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX, and a "
                         "torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
 
@@ -118,10 +123,7 @@ class OneDnnEngine(DeviceEngine):
     def run(self, entries: list[tuple], hidden: list | None) -> list[torch.Tensor]:
         """entries: (cache, tokens [n], positions [n], mask [n, context + n] over the cache's rows, logit rows). Only
         the entries' own slots run (the device engine runs every slot below the highest, for its static shapes)."""
-        found = [getattr(e[0], "device_slot", None) for e in entries]
-        if any(f is None for f in found) or len({id(f[0]) for f in found}) != 1:
-            raise ValueError("every sequence of a forward must be a slot of one pool this engine made")
-        pool: Pool = found[0][0]
+        pool, slots = self.slots_of(entries)
         b = len(entries)
         t = max(max(len(e[1]) for e in entries), -(-self.row_floor // b))  # at least row_floor rows in all
         bases = [cache.length + cache.pending for cache, *_ in entries]
@@ -141,7 +143,7 @@ class OneDnnEngine(DeviceEngine):
             flat.extend(i * t + r for r in rows)
         asked = torch.tensor(flat + [0] * max(self.row_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least row_floor of them too
-        kv = WindowKV(pool, torch.tensor([f[1] for f in found]), write, c)
+        kv = WindowKV(pool, torch.tensor(slots), write, c)
         out = self.model(ids, pos, mask, kv=kv, taps=self.taps if hidden is not None else (), logit_rows=asked)
         for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
