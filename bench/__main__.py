@@ -1,7 +1,7 @@
 import argparse
 import sys
 
-from spork_trt.config import DEVICE_DTYPE, DEVICE_DTYPES
+from spork_trt.config import CPU_TORCH_DTYPES, DEVICE_DTYPE, DEVICE_DTYPES
 from spork_trt.errors import UserError
 
 EXAMPLES = """examples:
@@ -9,10 +9,13 @@ EXAMPLES = """examples:
   python -m bench run --prompts humaneval --max-new-tokens 64 --json --engines engines/default
   python -m bench run --engines engines/default --arms plain spork/store --rounds 8   # 8 interleaved rounds
   python -m bench run --engines engines/default --dtype bf16 --arms plain spork/store   # the bf16 oneDNN target
+  python -m bench run --engines engines/default --dtype int4 --arms plain spork/store   # its 4-bit blocks, torch CPU
   python -m bench fidelity engines/int4 engines/int8 --reference engines/default   # quantized targets vs fp32
+  python -m bench fidelity --reference engines/default --cpu-torch bf16,int4   # the CPU torch engine vs fp32
   python -m bench roofline engines/default engines/int4        # forward(T) against this machine's bound
   python -m bench roofline engines/default --torch bf16,fp32   # and the torch.compile lever, same run
   python -m bench roofline engines/default --dtype bf16        # and the bf16 oneDNN engine, same run
+  python -m bench roofline engines/default --dtype int4        # and the checkpoint's 4-bit blocks on torch, same run
   python -m bench run --engines engines/default --arms plain spork/ngram peer/hf-greedy peer/hf-prompt-lookup
   make bench-peers && python -m bench run --engines engines/default --arms plain spork/ngram peer/llama-cpp \
       peer/llama-cpp-prompt-lookup peer/ort-genai                 # llama.cpp (same GGUF), onnxruntime-genai
@@ -65,9 +68,10 @@ def add_common(p) -> None:
 
 
 def add_dtype(p) -> None:
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: the spork and plain arms run the --engines build's checkpoint in bf16 on oneDNN's "
-                        "kernels (engines/onednn_engine.py), not its ONNX target (default: %(default)s)")
+    p.add_argument("--dtype", choices=("fp32",) + CPU_TORCH_DTYPES, default="fp32",
+                   help="bf16, int4: the spork and plain arms run the --engines build's checkpoint on the CPU torch "
+                        "engine (engines/onednn_engine.py: bf16 on oneDNN's kernels; int4 on its own 4-bit blocks), "
+                        "not its ONNX target (default: %(default)s)")
 
 
 def add_rounds(p) -> None:
@@ -138,13 +142,15 @@ def main(argv=None) -> int:
     fi = sub.add_parser("fidelity", help="each build's target against the fp32 reference, teacher-forced on held-out "
                         "text: top-1 agreement, KL, perplexity", epilog=EXAMPLES,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    fi.add_argument("builds", nargs="+", help="build folders whose targets to measure (same checkpoint)")
+    fi.add_argument("builds", nargs="*", help="build folders whose targets to measure (same checkpoint)")
     fi.add_argument("--reference", default="engines/default", help="a build with an fp32 target (default: "
                     "%(default)s)")
     fi.add_argument("--chunks", type=int, default=16, help="held-out text chunks (default: %(default)s)")
     fi.add_argument("--tokens", type=int, default=512, help="tokens per chunk (default: %(default)s)")
     fi.add_argument("--torch", default="", metavar="DTYPES", help="also the reference model in these dtypes "
                     "(bf16,fp32): the torch lever's fidelity (bench roofline --torch)")
+    fi.add_argument("--cpu-torch", default="", metavar="DTYPES", help="also the --reference build's checkpoint on "
+                    "the CPU torch engine in these precisions (bf16,int4: generate/serve --dtype)")
     fi.add_argument("--out", default="results/fidelity")
     fi.add_argument("--json", action="store_true")
     ro = sub.add_parser("roofline", help="this machine's bandwidth and matmul peak, each build's target forward(T) "
@@ -158,8 +164,9 @@ def main(argv=None) -> int:
     ro.add_argument("--torch", default="", metavar="DTYPES", help="also the lever of the reference model under "
                     "torch.compile in these dtypes (bf16,fp32), at the same shapes: not an engine")
     ro.add_argument("--torch-eager", action="store_true", help="run --torch's model eagerly (no compile)")
-    ro.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="bf16: also each build's checkpoint on the bf16 oneDNN engine (default: %(default)s)")
+    ro.add_argument("--dtype", choices=("fp32",) + CPU_TORCH_DTYPES, default="fp32",
+                    help="bf16, int4: also each build's checkpoint on the CPU torch engine in that precision "
+                         "(default: %(default)s)")
     ro.add_argument("--out", default="results/roofline")
     ro.add_argument("--json", action="store_true")
     rl = sub.add_parser("replay", help="estimates: the n-gram and store drafters replayed over a run's recorded "

@@ -16,6 +16,7 @@ import torch
 
 from spork_trt import atomic
 from spork_trt import manifest as mf
+from spork_trt.config import CPU_TORCH_DTYPES
 from spork_trt.engines import chain_input, load_engine
 from spork_trt.errors import UserError
 
@@ -66,6 +67,15 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor], texts: list[list[i
             float(torch.cat(nll).mean().exp()), float(torch.cat(ref_nll).mean().exp()))
 
 
+def cpu_dtypes(text: str) -> list[str]:
+    """--cpu-torch's comma-separated precisions, each one of CPU_TORCH_DTYPES."""
+    out = [d for d in text.split(",") if d]
+    bad = [d for d in out if d not in CPU_TORCH_DTYPES]
+    if bad:
+        raise UserError(f"--cpu-torch takes {', '.join(CPU_TORCH_DTYPES)} (comma-separated), got {', '.join(bad)}")
+    return out
+
+
 def target_of(build: Path) -> tuple[object, str, object]:
     """(manifest, target precision, model config) of a build."""
     m = mf.read(build)
@@ -95,6 +105,14 @@ def main(a) -> int:
         top1, kl, p99, ppl, ref_ppl = compare(ref, [logits(engine, ids) for ids in texts], texts)
         rows.append(Fidelity(str(b), p + (" (checkpoint blocks)" if m["engines"]["target"].get("weights") else ""),
                              sum(len(t) for t in texts), top1, kl, p99, ppl, ref_ppl))
+    for d in cpu_dtypes(a.cpu_torch):  # the reference build's checkpoint on the CPU torch engine (served targets)
+        from spork_trt.engines.onednn_engine import cpu_target
+        from spork_trt.runtime import source_checkpoint
+
+        engine = cpu_target(source_checkpoint(rm), d)
+        top1, kl, p99, ppl, ref_ppl = compare(ref, [logits(engine, ids) for ids in texts], texts)
+        rows.append(Fidelity(f"cpu torch {d}", f"{d} (CPU torch engine)", sum(len(t) for t in texts), top1, kl, p99,
+                             ppl, ref_ppl))
     for d in dtypes:  # the torch lever (bench/torch_lever.py): the reference model in another dtype, eager
         model = torch_lever.reference_model(ref_build, d)
         top1, kl, p99, ppl, ref_ppl = compare(ref, [torch_lever.teacher_forced(model, ids) for ids in texts], texts)

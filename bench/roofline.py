@@ -98,16 +98,20 @@ def build_points(build: Path, machine: Machine, ts: list[int], batch: int, repea
                          weight_cost(build / entry["path"]), machine.matmul_gflops, machine, ts, batch, repeats)
 
 
-def onednn_points(build: Path, machine: Machine, ts: list[int], batch: int, repeats: int) -> list[Point]:
-    """The build's checkpoint on the bf16 oneDNN engine (`--dtype bf16` of generate, bench run and serve)."""
-    from spork_trt.engines.onednn_engine import OneDnnEngine
+def cpu_torch_points(build: Path, dtype: str, machine: Machine, ts: list[int], batch: int, repeats: int
+                     ) -> list[Point]:
+    """The build's checkpoint on the CPU torch engine in `dtype` (bf16 | int4: `--dtype` of generate, bench run and
+    serve)."""
+    from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
+    from spork_trt.engines.onednn_engine import built_on_one_thread, cpu_target
+    from spork_trt.runtime import source_checkpoint
 
-    from . import torch_lever
-
-    model = torch_lever.reference_model(build, "fp32")
-    params = torch_lever.weight_cost(model)[1]
-    return engine_points(OneDnnEngine(model), build, "bf16 (oneDNN engine)", (2 * params, params),
-                         machine.bf16_gflops, machine, ts, batch, repeats)
+    with built_on_one_thread():
+        engine = cpu_target(source_checkpoint(mf.read(build)), dtype)
+    linears = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, PackedLinear))]
+    cost = sum(m.weight_bytes for m in linears), sum(m.weight_numel for m in linears)
+    return engine_points(engine, build, f"{dtype} (CPU torch engine)", cost, machine.bf16_gflops,
+                         machine, ts, batch, repeats)
 
 
 def engine_points(engine, build: Path, label: str, cost: tuple[int, int], peak: float, machine: Machine,
@@ -165,8 +169,9 @@ def main(a) -> int:
     ts = [int(t) for t in a.tokens.split(",")]
     points = [p for b in a.builds for p in build_points(Path(b), machine, ts, a.batch, a.repeats)]
     checkpoints = {mf.read(Path(b))["source"]["sha256"]: Path(b) for b in reversed(a.builds)}  # once each
-    if a.dtype == "bf16":
-        points += [p for b in checkpoints.values() for p in onednn_points(b, machine, ts, a.batch, a.repeats)]
+    if a.dtype != "fp32":
+        points += [p for b in checkpoints.values()
+                   for p in cpu_torch_points(b, a.dtype, machine, ts, a.batch, a.repeats)]
     points += [p for b in checkpoints.values() for d in dtypes
                for p in torch_points(b, machine, ts, a.batch, a.repeats, d, not a.torch_eager)]
     out = Path(a.out)

@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
-    from spork_trt.config import DEVICE_DTYPES
+    from spork_trt.config import DEVICE_DTYPES, TARGET_DTYPES
     from spork_trt.triton_repo import PROFILES, RepoConfig
 
     t.add_argument("--profile", choices=PROFILES, default="cpu",
@@ -89,10 +89,10 @@ def parser() -> argparse.ArgumentParser:
                         "KIND_GPU (both gpu profiles unverified: never run on a GPU)")
     t.add_argument("--device", choices=["cuda", "cpu", "onnx"], default=None,
                    help="where the spork model's target runs: cuda or cpu = the build's checkpoint on a torch engine "
-                        "there (cpu with --dtype bf16: oneDNN's bf16 kernels; cpu in fp32: the device engine's code "
-                        "eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
+                        "there (cpu with --dtype bf16: oneDNN's bf16 kernels; --dtype int4: the checkpoint's own "
+                        "4-bit blocks; cpu in fp32: the device engine's code eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
                         "gpu, else onnx)")
-    t.add_argument("--dtype", choices=DEVICE_DTYPES, default=RepoConfig.dtype,
+    t.add_argument("--dtype", choices=TARGET_DTYPES, default=RepoConfig.dtype,
                    help="that torch engine's precision (default: %(default)s)")
 
     t.add_argument("--instances", type=int, default=RepoConfig.instances,

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from .config import DEVICE_DTYPE, DEVICE_DTYPES, GenerateConfig, SpecConfig
+from .config import CPU_TORCH_DTYPES, DEVICE_DTYPE, TARGET_DTYPES, GenerateConfig, SpecConfig
 from .draft_kinds import AUTO_DRAFT, DRAFT_HELP, parse_draft
 from .errors import UserError
 from .io_spec import REQUEST_FIELDS, request_config
@@ -23,6 +23,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
   python -m spork_trt generate "Explain TCP" --device cuda                # GPU: the device engine, CUDA graphs
   python -m spork_trt generate "Explain TCP" --dtype bf16                 # CPU: the checkpoint in bf16, oneDNN kernels
+  python -m spork_trt generate "Explain TCP" --dtype int4                 # CPU: its own 4-bit blocks, bf16 activations
 """
 
 
@@ -67,11 +68,13 @@ def build_parser() -> Parser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
                         "unverified until it runs on a GPU)")
-    g.add_argument("--dtype", choices=DEVICE_DTYPES, default=DEVICE_DTYPE,
+    g.add_argument("--dtype", choices=TARGET_DTYPES, default=DEVICE_DTYPE,
                    help="the target's precision on a torch device (default %(default)s). --device cuda: the device "
                         "engine (bf16 and fp16 are not row-invariant on a GPU); on the CPU, bf16 runs the "
                         "checkpoint (of --model, or of the --engines build, with its tokenizer and datastore) on "
-                        "oneDNN's bf16 kernels, lossless against its own plain decoding (chains, not trees)")
+                        "oneDNN's bf16 kernels, and int4 its own Q4_0/Q4_1 blocks on ATen's int4 kernel with bf16 "
+                        "activations (a GGUF checkpoint); both lossless against their own plain decoding (chains, "
+                        "not trees)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (default: "
                         f"{DEFAULT_ENGINES} when it holds a build and neither --model nor --device cuda is given; else "
@@ -147,9 +150,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     a.engines, which = default_engines(a)
     if a.verify and not a.engines:
         raise UserError("--verify checks a build's artifacts: pass --engines DIR")
-    if a.engines and a.dtype not in ("fp32", "bf16"):
-        raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 runs its "
-                        "checkpoint on oneDNN's bf16 kernels")
+    if a.engines and a.dtype not in ("fp32",) + CPU_TORCH_DTYPES:
+        raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 or int4 "
+                        "runs its checkpoint on the CPU torch engine")
     rt = (Runtime.from_engines(a.engines, verify=a.verify, device=build_target_device(a.dtype), dtype=a.dtype)
           if a.engines else Runtime.load(a.model, a.device, a.dtype))
     if a.mode != "plain":

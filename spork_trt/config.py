@@ -125,6 +125,8 @@ class GenerateConfig:
 
 
 DEVICE_DTYPES = ("bf16", "fp16", "fp32")  # the device engine's precisions (--dtype)
+CPU_TORCH_DTYPES = ("bf16", "int4")  # the CPU torch engine's (engines/onednn_engine.py; int4: the checkpoint's blocks)
+TARGET_DTYPES = DEVICE_DTYPES + ("int4",)  # every --dtype of a torch target (int4 on the CPU only)
 # fp32 by default: on an H200 (bench/gpu_check.sh, docs/engines.md) fp32 was lossless (trees, batches and the CPU
 # engine all gave plain's tokens) and faster for this small model (its forward is launch-bound: 249 vs 193 tokens/s);
 # bf16 changed 14 of 16 wide-tree answers and 15 of 16 batched ones (its kernels differ by row count)

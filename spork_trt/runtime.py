@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import DEVICE_DTYPE, VERIFIER_LAYERS, GenerateConfig, ModelConfig, SamplingConfig, SpecConfig
+from .config import (CPU_TORCH_DTYPES, DEVICE_DTYPE, DEVICE_DTYPES, VERIFIER_LAYERS, GenerateConfig, ModelConfig,
+                     SamplingConfig, SpecConfig)
 from .request import Submission
 from .datastore import Datastore
 from .draft_kinds import (
@@ -62,8 +63,8 @@ class Runtime:
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = DEVICE_DTYPE) -> Runtime:
         """The torch reference engine, from a checkpoint (None: the embedded default); on another `device` (cuda) or
-        `dtype` the target runs in `dtype` (fp32 | fp16 | bf16) on the device engine, or on the CPU in bf16 on
-        oneDNN's kernels (torch_target)."""
+        `dtype` the target runs in `dtype` (fp32 | fp16 | bf16) on the device engine, or on the CPU in bf16 or
+        int4 on the CPU torch engine (torch_target)."""
         from .engines.torch_engine import TorchEngine
         from .quant import int4_copy, int8_copy
 
@@ -93,7 +94,7 @@ class Runtime:
 
         if device == "cpu" and dtype == "fp32":
             return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
-        return cls(ck.cfg, tok, torch_target(ck.model, device, dtype), draft_engine, f"torch-{device}-{dtype}")
+        return cls(ck.cfg, tok, torch_target(ck, device, dtype), draft_engine, f"torch-{device}-{dtype}")
 
     @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
@@ -121,7 +122,7 @@ class Runtime:
             require_device(device)  # one clear line, before the checkpoint loads
             with built_on_one_thread():  # its forwards may run on another thread (the server's engine core)
                 taps = tuple(built["target"].get("taps", ()))
-                target = torch_target(source_checkpoint(m).model, device, dtype, taps)
+                target = torch_target(source_checkpoint(m), device, dtype, taps)
             m = {**m, "backend": f"torch-{device}-{dtype}"}
 
         def draft_engine(draft: DraftSpec):
@@ -233,20 +234,24 @@ class Runtime:
 
 def build_target_device(dtype: str) -> str | None:
     """Where a build's target runs for a `--dtype`: its ONNX target (None) for fp32, else its checkpoint on the CPU's
-    torch engine (bf16: oneDNN's)."""
+    torch engine (bf16 and int4)."""
     return None if dtype == "fp32" else "cpu"
 
 
-def torch_target(model, device: str, dtype: str, taps: tuple[int, ...] = ()):
-    """The target from a checkpoint on a torch device: bf16 on the CPU runs on oneDNN's prepacked kernels
-    (engines/onednn_engine.py), anything else on the device engine."""
-    if device == "cpu" and dtype == "bf16":
-        from .engines.onednn_engine import OneDnnEngine
+def torch_target(ck, device: str, dtype: str, taps: tuple[int, ...] = ()):
+    """The target from checkpoint `ck` on a torch device: bf16 and int4 on the CPU run on the CPU torch engine
+    (engines/onednn_engine.py: oneDNN's prepacked bf16 kernels; int4, the checkpoint's own 4-bit blocks), anything
+    else on the device engine."""
+    if device == "cpu" and dtype in CPU_TORCH_DTYPES:
+        from .engines.onednn_engine import cpu_target
 
-        return OneDnnEngine(model, taps)
+        return cpu_target(ck, dtype, taps)
+    if dtype not in DEVICE_DTYPES:
+        raise UserError(f"--dtype {dtype} runs on the CPU (--device cpu): on {device} use one of "
+                        f"{', '.join(DEVICE_DTYPES)}")
     from .engines.device_engine import DeviceEngine
 
-    return DeviceEngine(model, device, dtype, taps)
+    return DeviceEngine(ck.model, device, dtype, taps)
 
 
 def check_verifier(mode: str, spec: SpecConfig, cfg: GenerateConfig, head: ConfidenceHead | bool | None) -> None:

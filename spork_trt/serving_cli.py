@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from .config import CPU_TORCH_DTYPES
 from .errors import UserError
 
 SERVE_EXAMPLES = """examples:
@@ -104,7 +105,8 @@ def served_target(repo) -> str:
     device, dtype = spork.params.get("device", ""), spork.params.get("dtype", "")
     if not device:
         return mf.describe_target(m)
-    engine = "the oneDNN bf16 engine" if (device, dtype) == ("cpu", "bf16") else f"the device engine on {device}"
+    engine = ("the CPU torch engine" if device == "cpu" and dtype in CPU_TORCH_DTYPES
+              else f"the device engine on {device}")
     return f"{dtype} target (the build's checkpoint on {engine}), {m['engines']['target']['layers']} layers"
 
 

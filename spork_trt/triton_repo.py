@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic, io_spec
-from .config import DEVICE_DTYPE, DEVICE_DTYPES, SpecConfig
+from .config import DEVICE_DTYPE, DEVICE_DTYPES, TARGET_DTYPES, SpecConfig
 from .draft_kinds import AUTO_DRAFT
 from .errors import UserError
 
@@ -186,9 +186,11 @@ def render(cfg: RepoConfig) -> Path:
                         f"{cfg.max_queue}")
     if not 0 < cfg.request_timeout_s < float("inf"):
         raise UserError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout_s}")
-    if cfg.target_device not in DEVICES or cfg.dtype not in DEVICE_DTYPES:
+    if cfg.target_device not in DEVICES or cfg.dtype not in TARGET_DTYPES:
         raise UserError(f"--device must be one of cuda, cpu (or none: ONNX Runtime) and --dtype one of "
-                        f"{', '.join(DEVICE_DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
+                        f"{', '.join(TARGET_DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
+    if cfg.dtype not in DEVICE_DTYPES and cfg.target_device != "cpu":
+        raise UserError(f"--dtype {cfg.dtype} runs on the CPU torch engine: pass --device cpu")
     manifest = mf.read(cfg.engines)  # a clear error if this is not a build
     window = mf.spec_config(manifest["model"]).max_seq_len
     if cfg.profile == "gpu-onnx" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:

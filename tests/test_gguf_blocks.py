@@ -12,7 +12,8 @@ import torch
 
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
-from spork_trt.export.gguf_blocks import decode, int4_from_blocks
+from spork_trt.export.gguf_blocks import int4_from_blocks
+from spork_trt.gguf_blocks import decode
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import quantize
 from spork_trt.weights import load_checkpoint

@@ -1,6 +1,7 @@
-"""The bf16 CPU engine (engines/onednn_engine.py) on the default model: a chain token's logits are the same, bit for
-bit, computed alone, inside a chain, inside a batch and beside a neighbour's prompt chunk; without its row floor they
-are not (so the test can fail); plain and spork decoding through the runtime give the same tokens, alone and batched
+"""The CPU torch engine (engines/onednn_engine.py) on the default model, in bf16 and in int4 (the checkpoint's own
+Q4_1 blocks): a chain token's logits are the same, bit for bit, computed alone, inside a chain, inside a batch and
+beside a neighbour's prompt chunk; in bf16 without its row floor they are not (so the test can fail); the int4
+weights are the checkpoint's; plain and spork decoding through the runtime give the same tokens, alone and batched
 through the engine core."""
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.core import CoreConfig, EngineCore
 from spork_trt.engines import chain_input
+from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
+from spork_trt.errors import UserError
+from spork_trt.gguf_blocks import blocks_by_parameter
 from spork_trt.runtime import Runtime
-from tests.conftest import run_core
+from spork_trt.weights import random_checkpoint
+from tests.conftest import run_core, tiny_config
 from tests.test_row_invariance import logits_alone, logits_beside_a_prompt, logits_in_a_batch, logits_in_a_tree
 
 onednn = pytest.importorskip("spork_trt.engines.onednn_engine")
@@ -23,11 +28,19 @@ PROMPTS = ["Write a short poem about the sea.",
 
 
 @pytest.fixture(scope="module")
-def engine(default_checkpoint):
-    return onednn.OneDnnEngine(default_checkpoint.model)
+def engines(default_checkpoint):
+    return {dtype: onednn.cpu_target(default_checkpoint, dtype) for dtype in ("bf16", "int4")}
 
 
-def test_a_chain_token_is_the_same_alone_in_a_chain_in_a_batch_and_beside_a_prompt(engine):
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines["bf16"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_a_chain_token_is_the_same_alone_in_a_chain_in_a_batch_and_beside_a_prompt(engines, dtype):
+    engine = engines[dtype]
+    assert engine.row_floor == (1 if dtype == "int4" else onednn.ROW_FLOOR)  # int4: one row runs alone
     alone = logits_alone(engine)
     assert torch.equal(alone, logits_in_a_tree(engine))  # NEXT as one chain: a tree's path
     assert torch.equal(alone, logits_in_a_batch(engine))
@@ -65,13 +78,30 @@ def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
     assert torch.equal(chained1, chained) and not torch.equal(alone1, alone)
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    return Runtime.load(None, "cpu", "bf16")
+def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint, engines):
+    """Every layer's weights run on the checkpoint's Q4_1 codes (scales rounded to bf16), the Q8_0 LM head in bf16;
+    a projection's output is the blocks' dequantized weight applied in fp32, to bf16 rounding."""
+    model = engines["int4"].model
+    assert all(isinstance(m, Int4Linear) for layer in model.layers for m in layer.modules()
+               if isinstance(m, (Int4Linear, PackedLinear)))
+    assert isinstance(model.lm_head, PackedLinear)
+    blocks = blocks_by_parameter(default_checkpoint)
+    w = torch.from_numpy(blocks["layers.3.mlp.down.weight"].dequantized())  # [576, 1536]
+    x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
+    got = model.layers[3].mlp.down(x.to(torch.bfloat16)).float()
+    want = x.to(torch.bfloat16).float() @ w.t()
+    assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-def test_spork_on_bf16_is_lossless_alone_and_batched(runtime):
-    assert runtime.backend == "torch-cpu-bf16" and not runtime.engine.exact_trees
+def test_int4_needs_a_checkpoint_with_4_bit_blocks():
+    with pytest.raises(UserError, match="own 4-bit blocks"):
+        onednn.cpu_target(random_checkpoint(tiny_config()), "int4")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_spork_on_the_cpu_torch_engine_is_lossless_alone_and_batched(dtype):
+    runtime = Runtime.load(None, "cpu", dtype)
+    assert runtime.backend == f"torch-cpu-{dtype}" and not runtime.engine.exact_trees
     cfg = GenerateConfig(max_new_tokens=40)
     spec = SpecConfig(draft="ngram", tree_width=3, tree_depth=4, tree_budget=12)  # resolved to a chain of 4
     ids = [runtime.tokenizer.encode_prompt(p) for p in PROMPTS]

@@ -110,13 +110,17 @@ def test_a_repository_rendered_by_another_version_is_rendered_again(default_engi
 
 def test_the_startup_line_names_the_target_the_repository_serves(default_engines, tmp_path):
     """`serve` prints what it serves: the build's target, or its checkpoint on a torch engine (export triton
-    --device cpu --dtype bf16: the oneDNN bf16 engine)."""
+    --device cpu --dtype bf16 or int4: the CPU torch engine)."""
     from spork_trt.serving_cli import served_target
 
     onnx = render(RepoConfig(default_engines, tmp_path / "onnx"))
     bf16 = render(RepoConfig(default_engines, tmp_path / "bf16", device="cpu", dtype="bf16"))
     assert served_target(onnx).startswith("fp32 target, ")
-    assert served_target(bf16).startswith("bf16 target (the build's checkpoint on the oneDNN bf16 engine), ")
+    int4 = render(RepoConfig(default_engines, tmp_path / "int4", device="cpu", dtype="int4"))
+    assert served_target(bf16).startswith("bf16 target (the build's checkpoint on the CPU torch engine), ")
+    assert served_target(int4).startswith("int4 target (the build's checkpoint on the CPU torch engine), ")
+    with pytest.raises(UserError, match="runs on the CPU torch engine"):
+        render(RepoConfig(default_engines, tmp_path / "cuda", device="cuda", dtype="int4"))
 
 
 def test_a_step_s_error_kind_is_found_from_its_message():

@@ -512,17 +512,17 @@ def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
         query("hi", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate"))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4"])
 def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines, tmp_path, dtype):
-    """`export triton --device cpu` (fp32: the gpu profile's device engine, its code run eagerly on the CPU; bf16:
-    the oneDNN bf16 engine): a real tritonserver answers over gRPC streaming and HTTP with that engine's own plain
+    """`export triton --device cpu` (fp32: the gpu profile's device engine, its code run eagerly on the CPU; bf16 and
+    int4: the CPU torch engine): a real tritonserver answers over gRPC streaming and HTTP with that engine's own plain
     greedy text, speculating (spork, the build's datastore)."""
     from spork_trt.config import GenerateConfig
     from spork_trt.engines.onednn_engine import onednn_bf16_available
     from spork_trt.runtime import Runtime
     from spork_trt.triton_repo import RepoConfig, render
 
-    if dtype == "bf16" and not onednn_bf16_available():
+    if dtype != "fp32" and not onednn_bf16_available():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
     repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device="cpu", dtype=dtype))
     rt = Runtime.from_engines(default_engines, device="cpu", dtype=dtype)

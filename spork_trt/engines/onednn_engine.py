@@ -1,7 +1,8 @@
-"""The reference model in bf16 on a CPU, its matmuls on oneDNN's prepacked kernels (`--device cpu --dtype bf16`):
-the lever that flattens the forward's cost curve on a CPU with bf16 dot products (AVX512-BF16, AMX), measured in
-docs/engines.md. Weights are reordered once into oneDNN's blocked layout (what torch.compile's freezing does, without
-a compile per shape: that took 35-70 s per shape on 2 cores and was not cached across processes).
+"""The reference model in bf16 on a CPU (`--device cpu --dtype bf16 | int4`): its matmuls on oneDNN's prepacked
+bf16 kernels, or (int4) on ATen's int4 kernel over the checkpoint's own 4-bit blocks with the rest in bf16
+(engines/cpu_linears.py): the levers that flatten the forward's cost curve on a CPU with bf16 dot products
+(AVX512-BF16, AMX) and cut the bytes it reads, measured in docs/engines.md. No torch.compile: that took 35-70 s per
+shape on 2 cores and was not cached across processes.
 
 It runs over the device engine's pools and slots, eagerly, only the slots of the sequences in a forward (B = their
 number, T = the most new tokens of one: no static shapes, nothing to capture), with two differences that make it
@@ -14,8 +15,9 @@ lossless:
   rounding after the sum, another order changed the argmax within 16 tokens). A tree's rows sit elsewhere than the
   same tokens of a chain, so this engine verifies chains (`exact_trees` False), as a quantized ONNX target does.
 - oneDNN picks another kernel for a matmul of one row than for two or more (on an AVX512-BF16 EPYC, 1 row in 4 of
-  the MLP's down projection differs in the last bit), so every forward runs at least `row_floor` rows (B x T),
-  padding with rows nobody reads; the LM head runs at the asked-for rows only, at least `row_floor` of them.
+  the MLP's down projection differs in the last bit), so a forward with a bf16 layer runs at least `row_floor` rows
+  (B x T), padding with rows nobody reads; the LM head (bf16 in both) runs at the asked-for rows only, at least
+  `head_floor` of them. The int4 kernel computes each row alone, so an int4 body runs one row when one is asked.
 
   forward   ids, pos, write [B, T] (padding rows write the scratch position); mask [B, T, C] over positions ->
             logits [R, V] at the asked-for rows only (hidden [B, T, k*C'] with taps); the pool's K/V [L, slots, Hkv,
@@ -26,15 +28,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from ..errors import UserError
+from ..gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
 from ..model import Transformer
+from .cpu_linears import PackedLinear, pack_linears
 from .device_engine import DeviceEngine, Pool
 
 CTX_ROUND = 64  # a forward attends positions [0, C), C a multiple of this (each step copies that window)
-ROW_FLOOR = 2  # rows a forward runs at least (measured: tests/test_onednn_engine.py, docs/engines.md)
-PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
+ROW_FLOOR = 2  # rows a forward with a bf16 matmul runs at least (measured: tests/test_onednn_engine.py, docs/engines.md)
 
 
 @contextmanager
@@ -63,30 +65,6 @@ def require_onednn() -> None:
                         "torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear (no bias) with its bf16 weight reordered once into oneDNN's layout."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().to(torch.bfloat16)  # [out, in]
-        self.out_features = w.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]."""
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear of `model` by a PackedLinear, in place (a tied LM head gets its own packed copy)."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
-        else:
-            pack_linears(child)
-
-
 class WindowKV:
     """model.KVStore over some slots of the pool: a layer's new rows are written in place at `write` positions,
     then it attends the first C positions of those slots (gathered: a copy, contiguous for the matmuls)."""
@@ -109,11 +87,18 @@ class OneDnnEngine(DeviceEngine):
 
     exact_trees = False  # a tree's rows attend their ancestors at other columns than a chain's: chains are exact
 
-    def __init__(self, model: Transformer, taps: tuple[int, ...] = (), row_floor: int = ROW_FLOOR) -> None:
+    def __init__(self, model: Transformer, taps: tuple[int, ...] = (), blocks: dict[str, Blocks] | None = None,
+                 row_floor: int | None = None) -> None:
+        """`blocks` (parameter name -> the checkpoint's blocks, gguf_blocks.blocks_by_parameter): the weights held
+        in 4 bits run on Int4Linear, the rest on bf16 PackedLinear. `row_floor` (default: ROW_FLOOR when a layer
+        has a bf16 matmul, else 1): rows a forward runs at least; the LM head runs at least ROW_FLOOR rows when
+        it is bf16."""
         require_onednn()
         super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
-        pack_linears(self.model)
-        self.row_floor = row_floor
+        pack_linears(self.model, blocks or {})
+        bf16_body = any(isinstance(m, PackedLinear) for m in self.model.layers.modules())
+        self.row_floor = (ROW_FLOOR if bf16_body else 1) if row_floor is None else row_floor
+        self.head_floor = ROW_FLOOR if isinstance(self.model.lm_head, PackedLinear) else 1
 
     def make_pool(self, slots: int, max_len: int):
         with built_on_one_thread():  # zeroing a large pool runs parallel on the caller: see built_on_one_thread
@@ -141,8 +126,8 @@ class OneDnnEngine(DeviceEngine):
             write[i, :n] = torch.arange(base, base + n)
             mask[i, :n, :base + n] = m
             flat.extend(i * t + r for r in rows)
-        asked = torch.tensor(flat + [0] * max(self.row_floor - len(flat), 0), dtype=torch.long)  # the LM head's
-        # rows: the asked-for ones, at least row_floor of them too
+        asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
+        # rows: the asked-for ones, at least head_floor of them
         kv = WindowKV(pool, torch.tensor(slots), write, c)
         out = self.model(ids, pos, mask, kv=kv, taps=self.taps if hidden is not None else (), logit_rows=asked)
         for i, (cache, tokens, *_) in enumerate(entries):
@@ -151,3 +136,14 @@ class OneDnnEngine(DeviceEngine):
                 hidden.append(out.hidden[i, :len(tokens)].float())  # [n, k*C]
         logits = out.logits[:len(flat)].float()  # [R, V]
         return list(torch.split(logits, [len(e[4]) for e in entries]))
+
+
+def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
+    """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, the rest bf16)."""
+    blocks = None
+    if dtype == "int4":
+        blocks = {name: b for name, b in blocks_by_parameter(ck).items() if b.kind in INT4_KINDS}
+        if not blocks:
+            raise UserError(f"--dtype int4 computes a GGUF checkpoint's own 4-bit blocks (Q4_0, Q4_1): {ck.path} "
+                            "has none; use --dtype bf16")
+    return OneDnnEngine(ck.model, taps, blocks)

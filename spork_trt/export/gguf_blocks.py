@@ -20,72 +20,13 @@ weight, dequantized from the kept blocks, equals the fp32 graph's weight bit for
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-BLOCK = 32
-KEPT = ("Q4_0", "Q4_1", "Q8_0")
+from ..gguf_blocks import BLOCK, Blocks, read_blocks, rope_heads
+
 BLOCKS_LAYOUT = "blocks-1"  # in the build's inputs: a change rebuilds int4 graphs made from a GGUF's blocks
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """One GGUF tensor's blocks, rows in our order (rope rows unpermuted): w[r, j*32:(j+1)*32] = d[r,j] q + m[r,j]."""
-    kind: str  # one of KEPT
-    codes: np.ndarray  # [rows, K] uint8 (Q4: 0..15; Q8_0: the int8 code + 128)
-    d: np.ndarray  # [rows, K/32] float32 scales
-    m: np.ndarray | None  # [rows, K/32] float32 offsets (Q4_1), else None
-
-    def dequantized(self) -> np.ndarray:
-        """[rows, K] float32, as gguf.quants computes it."""
-        rows, k = self.codes.shape
-        q = self.codes.reshape(rows, k // BLOCK, BLOCK).astype(np.float32)
-        if self.kind == "Q4_0":
-            q = q - 8
-        elif self.kind == "Q8_0":
-            q = q - 128
-        w = self.d[..., None] * q
-        return (w + self.m[..., None] if self.m is not None else w).reshape(rows, k)
-
-
-def decode(kind: str, raw: np.ndarray) -> Blocks:
-    """raw [rows, bytes per row] uint8 GGUF blocks -> Blocks (ggml's layouts: Q4 keeps elements j and j+16 in the
-    low and high nibbles of byte j)."""
-    rows = raw.shape[0]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    b = raw.reshape(rows, -1, size)  # [rows, nb, size]
-    d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q8_0":
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return Blocks(kind, codes.reshape(rows, -1), d, None)
-    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
-    qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]  # [rows, nb, 16]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, nb, 32]
-    return Blocks(kind, codes.reshape(rows, -1), d, m)
-
-
-def read_blocks(gguf_path: Path, rope_heads: dict[str, int]) -> dict[str, Blocks]:
-    """Every Q4_0 / Q4_1 / Q8_0 tensor of a GGUF file; `rope_heads` names the tensors whose rows llama.cpp
-    permuted per head (weights.unpermute_rope), with their head counts."""
-    import gguf
-    import torch
-
-    from ..weights import unpermute_rope
-
-    out = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
-        if t.tensor_type.name not in KEPT:
-            continue
-        blocks = decode(t.tensor_type.name, np.asarray(t.data))
-        if t.name in rope_heads:
-            rows = blocks.codes.shape[0]
-            order = unpermute_rope(torch.arange(rows)[:, None], rope_heads[t.name])[:, 0].numpy()
-            blocks = Blocks(blocks.kind, blocks.codes[order], blocks.d[order],
-                            None if blocks.m is None else blocks.m[order])
-        out[t.name] = blocks
-    return out
 
 
 def row_key(row: np.ndarray) -> bytes:
@@ -106,7 +47,7 @@ def find_rows(w: np.ndarray, index: dict[bytes, tuple[str, int]], blocks: dict[s
     return kept if np.array_equal(kept.dequantized(), w.T) else None
 
 
-def keep_blocks(src: Path, out: Path, gguf_path: Path, rope_heads: dict[str, int]) -> tuple[Path, int, int]:
+def keep_blocks(src: Path, out: Path, gguf_path: Path, rope: dict[str, int]) -> tuple[Path, int, int]:
     """src (fp32 .onnx) -> out with every weight MatMul that the checkpoint's blocks hold as MatMulNBits over them;
     returns (out, MatMuls replaced, weight MatMuls left)."""
     import onnx
@@ -114,7 +55,7 @@ def keep_blocks(src: Path, out: Path, gguf_path: Path, rope_heads: dict[str, int
 
     from .quantize import save_external
 
-    blocks = read_blocks(gguf_path, rope_heads)
+    blocks = read_blocks(gguf_path, rope)
     index = {row_key(row): (name, r) for name, b in blocks.items() for r, row in enumerate(b.dequantized())}
     model = onnx.load(str(src))
     g = model.graph
@@ -179,11 +120,9 @@ def matmul_nbits(node, kept: Blocks, rank: int) -> tuple[list, list]:
 def int4_from_blocks(fp32: Path, out: Path, ck) -> Path:
     """The int4 graph of a GGUF checkpoint `ck`: its Q4_0 / Q4_1 / Q8_0 blocks kept; any other weight MatMul
     (an F16 or K-quant tensor) requantized as quantize.quantize_nbits does."""
-    from ..weights import entries
     from .quantize import quantize_nbits, quiet
 
-    rope = {gg: e.rope_heads(ck.cfg) for e, _, _, gg in entries(ck.cfg) if e.rope_heads is not None}
-    path, replaced, left = keep_blocks(fp32, out, ck.path, rope)
+    path, replaced, left = keep_blocks(fp32, out, ck.path, rope_heads(ck.cfg))
     if left:
         with quiet():
             quantize_nbits(path, out, bits=4, exclude=offset_matmuls(path))

@@ -1,0 +1,71 @@
+"""The CPU torch engine's weight kernels: nn.Linear replaced by a prepacked bf16 oneDNN matmul or, where the
+checkpoint stores the weight as 4-bit blocks (GGUF Q4_0 / Q4_1), by ATen's int4 CPU kernel over those blocks.
+
+  PackedLinear  w in bf16, reordered once into oneDNN's blocked layout (what inductor's freezing does). oneDNN takes
+                another kernel for one row than for two or more: callers run at least two rows (engines/onednn_engine.py).
+  Int4Linear    the checkpoint's own 4-bit codes, packed once for `_weight_int4pack_mm_for_cpu` (what torchao's int4
+                weight-only layout runs on a CPU), bf16 activations, fp32 accumulation: w = (q - 8) s + z per block
+                of 32, s = d, z = m + 8 d (Q4_1) or 0 (Q4_0), s and z rounded to bf16. It computes every row alone:
+                a row gives the same bits at any row count (tests/test_onednn_engine.py). It reads a quarter of
+                bf16's bytes, so it is faster up to about 8 rows and slower from 16 (docs/engines.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..gguf_blocks import BLOCK, INT4_KINDS, Blocks
+
+PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear (no bias) with its bf16 weight reordered once into oneDNN's layout."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.detach().to(torch.bfloat16)  # [out, in]
+        self.out_features = w.shape[0]
+        self.weight_numel = w.numel()
+        self.weight_bytes = 2 * w.numel()  # what a forward reads
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] bf16."""
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear (no bias) computing a checkpoint's Q4_0 / Q4_1 blocks with ATen's int4 CPU kernel."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__()
+        assert blocks.kind in INT4_KINDS, blocks.kind
+        self.out_features = blocks.codes.shape[0]
+        codes = torch.from_numpy(blocks.codes.astype(np.int32))  # [N, K] in 0..15
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        d = torch.from_numpy(blocks.d)  # [N, K/32]
+        z = torch.from_numpy(blocks.m) + 8 * d if blocks.m is not None else torch.zeros_like(d)
+        self.scales = torch.stack([d.t(), z.t()], -1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        self.weight_numel = codes.numel()
+        self.weight_bytes = self.packed.nbytes + self.scales.nbytes  # what a forward reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] bf16."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, BLOCK, self.scales)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module, blocks: dict[str, Blocks], prefix: str = "") -> None:
+    """Replace every nn.Linear of `model` in place: by an Int4Linear where `blocks` (parameter name -> the
+    checkpoint's blocks) holds its weight in 4 bits, else by a PackedLinear (a tied LM head gets its own copy)."""
+    for name, child in list(model.named_children()):
+        weight = f"{prefix}{name}.weight"
+        if isinstance(child, nn.Linear):
+            kept = blocks.get(weight)
+            setattr(model, name, Int4Linear(kept) if kept is not None and kept.kind in INT4_KINDS
+                    else PackedLinear(child.weight))
+        else:
+            pack_linears(child, blocks, f"{prefix}{name}.")
