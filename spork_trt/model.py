@@ -95,14 +95,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv: nn.Module | None = None  # an engine's fused q, k, v projection (engines/cpu_linears.py)
 
     def forward(self, x, cos, sin, bias, layer: int, kv: KVStore | None):
         # x [B, T, C]; cos, sin [B, 1, T, D]; bias [B, 1, 1, T, S] (0 or a large negative)
         b, t, _ = x.shape
         hkv, g, d = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
-        q = self.wq(x).view(b, t, self.n_heads, d).transpose(1, 2)  # [B, H, T, D]
-        k = self.wk(x).view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.wv(x).view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.wqkv is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            q, k, v = self.wqkv(x).split((self.n_heads * d, hkv * d, hkv * d), dim=-1)
+        q = q.view(b, t, self.n_heads, d).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
@@ -120,9 +125,13 @@ class MLP(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up: nn.Module | None = None  # an engine's fused gate and up projection (engines/cpu_linears.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.gate_up is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):

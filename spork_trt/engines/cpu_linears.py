@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..gguf_blocks import BLOCK, INT4_KINDS, Blocks
+from ..model import MLP, Attention
 
 PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
 
@@ -58,9 +59,29 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+FUSED = ((Attention, "wqkv", ("wq", "wk", "wv")), (MLP, "gate_up", ("gate", "up")))  # one matmul for several
+
+
+def fused_blocks(parts: list[Blocks | None]) -> Blocks | None:
+    """The blocks of the projections `parts` stacked by output row, when all are 4-bit blocks of one kind."""
+    if any(p is None or p.kind not in INT4_KINDS for p in parts) or len({p.kind for p in parts}) != 1:
+        return None
+    cat = lambda arrays: np.concatenate(arrays, axis=0)  # noqa: E731
+    return Blocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.d for p in parts]),
+                  None if parts[0].m is None else cat([p.m for p in parts]))
+
+
 def pack_linears(model: nn.Module, blocks: dict[str, Blocks], prefix: str = "") -> None:
     """Replace every nn.Linear of `model` in place: by an Int4Linear where `blocks` (parameter name -> the
-    checkpoint's blocks) holds its weight in 4 bits, else by a PackedLinear (a tied LM head gets its own copy)."""
+    checkpoint's blocks) holds its weight in 4 bits (q, k and v as one, gate and up as one: FUSED; each output
+    column is the same dot product either way), else by a PackedLinear (a tied LM head gets its own copy)."""
+    for kind, fused, names in FUSED:
+        if isinstance(model, kind):
+            kept = fused_blocks([blocks.get(f"{prefix}{n}.weight") for n in names])
+            if kept is not None:
+                setattr(model, fused, Int4Linear(kept))
+                for n in names:
+                    setattr(model, n, None)
     for name, child in list(model.named_children()):
         weight = f"{prefix}{name}.weight"
         if isinstance(child, nn.Linear):

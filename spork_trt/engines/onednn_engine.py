@@ -67,10 +67,14 @@ def require_onednn() -> None:
 
 class WindowKV:
     """model.KVStore over some slots of the pool: a layer's new rows are written in place at `write` positions,
-    then it attends the first C positions of those slots (gathered: a copy, contiguous for the matmuls)."""
+    then it attends the first C positions of those slots (a view when the slots are consecutive, else gathered: a
+    copy; the matmuls give the same bits on either)."""
 
-    def __init__(self, pool: Pool, slots: torch.Tensor, write: torch.Tensor, c: int) -> None:
-        self.pool, self.slots, self.write, self.c = pool, slots, write, c  # slots [B]; write [B, T]
+    def __init__(self, pool: Pool, slots: list[int], write: torch.Tensor, c: int) -> None:
+        self.pool, self.write, self.c = pool, write, c  # write [B, T]
+        self.slots = torch.tensor(slots)  # [B]
+        first = slots[0]
+        self.window = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, C, D]."""
@@ -78,7 +82,8 @@ class WindowKV:
               self.write[:, None, :])  # broadcast to [B, Hkv, T]
         self.pool.k.index_put_(at, k.to(self.pool.k.dtype))
         self.pool.v.index_put_(at, v.to(self.pool.v.dtype))
-        return self.pool.k[layer, self.slots, :, :self.c], self.pool.v[layer, self.slots, :, :self.c]
+        slots = self.slots if self.window is None else self.window
+        return self.pool.k[layer, slots, :, :self.c], self.pool.v[layer, slots, :, :self.c]
 
 
 class OneDnnEngine(DeviceEngine):
@@ -128,7 +133,7 @@ class OneDnnEngine(DeviceEngine):
             flat.extend(i * t + r for r in rows)
         asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
-        kv = WindowKV(pool, torch.tensor(slots), write, c)
+        kv = WindowKV(pool, slots, write, c)
         out = self.model(ids, pos, mask, kv=kv, taps=self.taps if hidden is not None else (), logit_rows=asked)
         for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
