@@ -112,3 +112,23 @@ def test_spork_on_the_cpu_torch_engine_is_lossless_alone_and_batched(dtype):
     core = EngineCore(runtime.engine, runtime.cfg.vocab_size, CoreConfig(slots=2, max_len=256, prefill_tokens=16))
     out = run_core(core, [runtime.request(p, cfg, "spork" if i else "plain", spec) for i, p in enumerate(ids)])
     assert [out[i].token_ids for i in range(len(ids))] == plain
+
+
+def test_the_engines_lean_forward_computes_the_models_values(engines):
+    """engines/cpu_forward.py claims the reference model's arithmetic in fewer ops: the same logits, bit for bit,
+    as model.Transformer.forward over the same packed modules, pool and window."""
+    from spork_trt.engines import cpu_forward
+    from spork_trt.engines.onednn_engine import WindowKV
+
+    engine = engines["int4"]
+    g = torch.Generator().manual_seed(1)
+    pool = engine.make_pool(2, 256).caches[0].device_slot[0]
+    ids = torch.randint(0, 49152, (2, 5), generator=g)
+    pos = torch.arange(5).repeat(2, 1)
+    mask = torch.ones(2, 5, 64, dtype=torch.bool).tril(0)  # [B, T, C]: position p attends 0..p
+    write = pos.clone()
+    rows = torch.arange(10)
+    with torch.inference_mode():
+        lean = cpu_forward.forward(engine.model, ids, pos, mask, WindowKV(pool, [0, 1], write, 64), (), rows)
+        model = engine.model(ids, pos, mask, kv=WindowKV(pool, [0, 1], write, 64), logit_rows=rows)
+    assert torch.equal(lean.logits, model.logits)

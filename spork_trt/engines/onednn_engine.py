@@ -32,6 +32,7 @@ import torch
 from ..errors import UserError
 from ..gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
 from ..model import Transformer
+from . import cpu_forward
 from .cpu_linears import PackedLinear, pack_linears
 from .device_engine import DeviceEngine, Pool
 
@@ -71,17 +72,17 @@ class WindowKV:
     copy; the matmuls give the same bits on either)."""
 
     def __init__(self, pool: Pool, slots: list[int], write: torch.Tensor, c: int) -> None:
-        self.pool, self.write, self.c = pool, write, c  # write [B, T]
+        self.pool, self.c = pool, c
         self.slots = torch.tensor(slots)  # [B]
+        self.at = (self.slots[:, None, None], torch.arange(pool.k.shape[2])[None, :, None],
+                   write[:, None, :])  # write [B, T]; broadcast to [B, Hkv, T] over a layer's [slots, Hkv, S, D]
         first = slots[0]
         self.window = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, Hkv, T, D] -> keys, values [B, Hkv, C, D]."""
-        at = (torch.tensor(layer), self.slots[:, None, None], torch.arange(k.shape[1])[None, :, None],
-              self.write[:, None, :])  # broadcast to [B, Hkv, T]
-        self.pool.k.index_put_(at, k.to(self.pool.k.dtype))
-        self.pool.v.index_put_(at, v.to(self.pool.v.dtype))
+        self.pool.k[layer].index_put_(self.at, k.to(self.pool.k.dtype))
+        self.pool.v[layer].index_put_(self.at, v.to(self.pool.v.dtype))
         slots = self.slots if self.window is None else self.window
         return self.pool.k[layer, slots, :, :self.c], self.pool.v[layer, slots, :, :self.c]
 
@@ -134,7 +135,7 @@ class OneDnnEngine(DeviceEngine):
         asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
         kv = WindowKV(pool, slots, write, c)
-        out = self.model(ids, pos, mask, kv=kv, taps=self.taps if hidden is not None else (), logit_rows=asked)
+        out = cpu_forward.forward(self.model, ids, pos, mask, kv, self.taps if hidden is not None else (), asked)
         for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
             if hidden is not None:
