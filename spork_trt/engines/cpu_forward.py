@@ -45,10 +45,12 @@ def block(blk: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bia
     qk = qk * cos + qk.roll(d // 2, -1) * sin
     v = qkv[..., (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
     keys, values = kv.update(layer, qk[:, h:], v)  # [B, Hkv, C, D]
-    q = qk[:, :h].reshape(b, hkv, (h // hkv) * t, d)
-    scores = (q @ keys.transpose(-1, -2) / math.sqrt(d)).view(b, hkv, h // hkv, t, -1)  # [B, Hkv, G, T, C]
+    c = keys.shape[2]
+    keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)  # views for consecutive slots
+    q = qk[:, :h].reshape(b * hkv, (h // hkv) * t, d)
+    scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, h // hkv, t, c)  # [B, Hkv, G, T, C]
     probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
-    out = probs.view(b, hkv, (h // hkv) * t, -1) @ values  # [B, Hkv, G*T, D]
+    out = torch.bmm(probs.view(b * hkv, (h // hkv) * t, c), values)  # [B*Hkv, G*T, D]
     x = x + a.wo(out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
     m = blk.mlp
     y = rms(x, blk.mlp_norm)
