@@ -7,6 +7,7 @@ the caller then keeps some pending rows with `commit` (gathering them into place
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -73,6 +74,16 @@ class Rows:
         self.generation += 1
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on the CPU from numpy's calloc, whose pages the OS maps only when a row is first written or read, so a
+    pool sized for every slot's whole context holds only the rows requests reach (torch.zeros writes them all: an
+    int4 server with 16 slots of 8k positions held 5.5 GB against the ONNX server's 2.2)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    width = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(shape[:-1] + (shape[-1] * width,), dtype=np.uint8)).view(dtype)
+
+
 class KVCache(Rows):
     """The torch engine's cache: [L, B, Hkv, Smax, D] buffers, attention reads a view of the first S rows."""
 
@@ -80,8 +91,7 @@ class KVCache(Rows):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         layers = cfg.n_layers if n_layers is None else n_layers
         shape = (layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        super().__init__(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                         axis=3)
+        super().__init__(lazy_zeros(shape, dtype, device), lazy_zeros(shape, dtype, device), axis=3)
 
     @classmethod
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
