@@ -212,7 +212,13 @@ class TritonServer(Addressed):
         return self
 
     def wait_ready(self) -> None:
+        """Until the ensemble is ready and the metrics endpoint answers (Triton starts its metrics service after the
+        HTTP one: a client that read readiness then scraped the metrics could find nobody listening)."""
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
         state = wait_http_ok(f"http://{self.http_url}/v2/models/ensemble/ready", self.proc, self.cfg.ready_timeout_s)
+        if state == "ready":
+            state = wait_http_ok(f"http://{self.cfg.host}:{self.cfg.metrics_port}/metrics", self.proc,
+                                 max(deadline - time.monotonic(), 1.0), period_s=0.05)
         if state == "exited":
             raise UserError(f"tritonserver exited with code {self.proc.returncode} while starting; its log "
                             f"({self.cfg.log}) ends with:\n{self.log_tail()}")

@@ -539,6 +539,44 @@ def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines,
     assert drafted > 0  # the build's datastore drafts for it (the draft switch may stop where it does not pay)
 
 
+def test_ready_waits_for_the_metrics_endpoint(tmp_path):
+    """Triton starts its metrics service after the HTTP one: `start` returns only once both answer (a test that read
+    readiness and then scraped the metrics found nobody listening). Stand-ins: two local HTTP servers, the metrics
+    one started 1 s late, and a sleeping process as the server."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    ready, metrics = free_port(), free_port()
+    servers = [ThreadingHTTPServer(("127.0.0.1", ready), Ok)]
+    threading.Thread(target=servers[0].serve_forever, daemon=True).start()
+
+    def late():
+        time.sleep(1.0)
+        servers.append(ThreadingHTTPServer(("127.0.0.1", metrics), Ok))
+        servers[-1].serve_forever()
+    threading.Thread(target=late, daemon=True).start()
+    s = TritonServer.__new__(TritonServer)
+    s.cfg = ServerConfig(tmp_path, http_port=ready, grpc_port=free_port(), metrics_port=metrics, ready_timeout_s=20)
+    s.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        t0 = time.monotonic()
+        s.wait_ready()
+        assert time.monotonic() - t0 >= 0.9
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        s.proc.kill()
+        for srv in servers:
+            srv.shutdown()
+
+
 def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path):
     """SIGINT before the server is ready: the launcher exits 130 and no process of the server's group (tritonserver,
     its python backend stubs) is left holding the ports."""
