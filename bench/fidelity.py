@@ -67,15 +67,6 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor], texts: list[list[i
             float(torch.cat(nll).mean().exp()), float(torch.cat(ref_nll).mean().exp()))
 
 
-def cpu_dtypes(text: str) -> list[str]:
-    """--cpu-torch's comma-separated precisions, each one of CPU_TORCH_DTYPES."""
-    out = [d for d in text.split(",") if d]
-    bad = [d for d in out if d not in CPU_TORCH_DTYPES]
-    if bad:
-        raise UserError(f"--cpu-torch takes {', '.join(CPU_TORCH_DTYPES)} (comma-separated), got {', '.join(bad)}")
-    return out
-
-
 def target_of(build: Path) -> tuple[object, str, object]:
     """(manifest, target precision, model config) of a build."""
     m = mf.read(build)
@@ -105,7 +96,7 @@ def main(a) -> int:
         top1, kl, p99, ppl, ref_ppl = compare(ref, [logits(engine, ids) for ids in texts], texts)
         rows.append(Fidelity(str(b), p + (" (checkpoint blocks)" if m["engines"]["target"].get("weights") else ""),
                              sum(len(t) for t in texts), top1, kl, p99, ppl, ref_ppl))
-    for d in cpu_dtypes(a.cpu_torch):  # the reference build's checkpoint on the CPU torch engine (served targets)
+    for d in torch_lever.parse_dtypes(a.cpu_torch, CPU_TORCH_DTYPES, "--cpu-torch"):  # the reference build's checkpoint on the CPU torch engine (served targets)
         from spork_trt.engines.onednn_engine import cpu_target
         from spork_trt.runtime import source_checkpoint
 

@@ -18,11 +18,12 @@ from spork_trt.weights import load_checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def parse_dtypes(text: str) -> list[str]:
+def parse_dtypes(text: str, choices=DTYPES, flag: str = "--torch") -> list[str]:
+    """A comma-separated list of dtypes, each one of `choices` (`flag` names the option in the error)."""
     names = [d for d in text.split(",") if d]
-    bad = [d for d in names if d not in DTYPES]
+    bad = [d for d in names if d not in choices]
     if bad:
-        raise UserError(f"--torch: unknown dtype {', '.join(bad)} (choose from {', '.join(DTYPES)})")
+        raise UserError(f"{flag}: unknown dtype {', '.join(bad)} (choose from {', '.join(choices)})")
     return names
 
 

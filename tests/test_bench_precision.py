@@ -71,3 +71,7 @@ def test_the_torch_lever_computes_the_models_own_logits_after_a_context_eager_an
                                                   if isinstance(m, torch.nn.Linear))
     with pytest.raises(UserError, match="fp16"):
         torch_lever.parse_dtypes("bf16,fp16")
+    from spork_trt.config import CPU_TORCH_DTYPES
+    assert torch_lever.parse_dtypes("int4,bf16", CPU_TORCH_DTYPES, "--cpu-torch") == ["int4", "bf16"]
+    with pytest.raises(UserError, match="--cpu-torch: unknown dtype fp16"):
+        torch_lever.parse_dtypes("int4,fp16", CPU_TORCH_DTYPES, "--cpu-torch")
