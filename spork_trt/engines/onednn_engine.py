@@ -62,8 +62,8 @@ def onednn_bf16_available() -> bool:
 
 def require_onednn() -> None:
     if not onednn_bf16_available():
-        raise UserError("--device cpu --dtype bf16 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX, and a "
-                        "torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
+        raise UserError("--device cpu --dtype bf16 or int4 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or "
+                        "AMX, and a torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
 
 
 class WindowKV:
@@ -88,8 +88,8 @@ class WindowKV:
 
 
 class OneDnnEngine(DeviceEngine):
-    """A CPU target in bf16: the device engine's pools and slots, prepacked matmuls, windowed absolute attention
-    (see the module doc)."""
+    """A CPU target in bf16 or int4: the device engine's pools and slots, prepacked or int4 matmuls, windowed
+    absolute attention (see the module doc)."""
 
     exact_trees = False  # a tree's rows attend their ancestors at other columns than a chain's: chains are exact
 
@@ -148,7 +148,7 @@ def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
     """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, the rest bf16)."""
     blocks = None
     if dtype == "int4":
-        blocks = {name: b for name, b in blocks_by_parameter(ck).items() if b.kind in INT4_KINDS}
+        blocks = blocks_by_parameter(ck, INT4_KINDS)  # the Q8_0 embedding / LM head stays bf16: not decoded
         if not blocks:
             raise UserError(f"--dtype int4 computes a GGUF checkpoint's own 4-bit blocks (Q4_0, Q4_1): {ck.path} "
                             "has none; use --dtype bf16")
