@@ -87,6 +87,7 @@ def phase(name: str, a, repo: Path, refs: dict, out: Path) -> dict:
 
 def main(a) -> int:
     from spork_trt.config import GenerateConfig
+    from spork_trt.config import AUTO_DTYPE
     from spork_trt.runtime import Runtime
     from spork_trt.triton_repo import RepoConfig, render
 
@@ -94,7 +95,7 @@ def main(a) -> int:
         raise UserError("--clients and --duration must be positive")
     engines, out = Path(a.engines or "engines/default"), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rt = Runtime.from_engines(engines)
+    rt = Runtime.from_engines(engines, dtype=AUTO_DTYPE)
     prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
     print(f"[bench failover] plain greedy references for {len(prompts)} prompts", file=sys.stderr, flush=True)
     refs = {(p, n): rt.generate(rt.tokenizer.encode_prompt(p), GenerateConfig(max_new_tokens=n)).text

@@ -191,6 +191,7 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
 
 def main(a) -> int:
     from spork_trt.config import GenerateConfig, SamplingConfig
+    from spork_trt.config import AUTO_DTYPE
     from spork_trt.runtime import Runtime
     from spork_trt.serve import ServerConfig, TritonServer, free_port
     from spork_trt.triton_repo import RepoConfig, render
@@ -204,7 +205,7 @@ def main(a) -> int:
     engines = Path(a.engines or "engines/default")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rt = Runtime.from_engines(engines)
+    rt = Runtime.from_engines(engines, dtype=AUTO_DTYPE)
     prompts = [r["prompt"] for r in load_prompts(a.prompts, a.limit)]
     print(f"[bench soak] plain references (greedy and seeded) for {len(prompts)} prompts", file=sys.stderr,
           flush=True)

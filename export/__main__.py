@@ -18,7 +18,8 @@ EXAMPLES = """examples:
   python -m export build --draft self-int8 --draft self-int8-static --draft self-fp8   # quantized copies
   python -m export build --backend tensorrt --precision fp8 --out engines/trt   # GPU host with TensorRT
   python -m export inspect engines/default
-  python -m export triton                                 # engines/default/triton_repo (cpu profile)
+  python -m export triton                                 # engines/default/triton_repo (cpu profile, default target)
+  python -m export triton --device onnx                   # serve the build's ONNX target (not the int4 CPU engine)
   python -m export triton --profile gpu --out triton_gpu  # the device engine on CUDA (fp32, CUDA graphs), KIND_GPU
   python -m export triton --profile gpu-onnx --out triton_ort  # ONNX Runtime TensorRT/CUDA providers, KIND_GPU
   python -m export triton --slots 32 --max-context 1024   # 32 requests per batch, smaller KV pool
@@ -80,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
-    from spork_trt.config import DEVICE_DTYPES, TARGET_DTYPES
+    from spork_trt.config import AUTO_DTYPE, DEVICE_DTYPES, TARGET_DTYPES
     from spork_trt.triton_repo import PROFILES, RepoConfig
 
     t.add_argument("--profile", choices=PROFILES, default="cpu",
@@ -90,10 +91,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=["cuda", "cpu", "onnx"], default=None,
                    help="where the spork model's target runs: cuda or cpu = the build's checkpoint on a torch engine "
                         "there (cpu with --dtype bf16: oneDNN's bf16 kernels; --dtype int4: the checkpoint's own "
-                        "4-bit blocks; cpu in fp32: the device engine's code eagerly, for checks), onnx = the build's ONNX Runtime engines (default: cuda for --profile "
-                        "gpu, else onnx)")
-    t.add_argument("--dtype", choices=TARGET_DTYPES, default=RepoConfig.dtype,
-                   help="that torch engine's precision (default: %(default)s)")
+                        "4-bit blocks; cpu in fp32: the device engine's code eagerly, for checks), onnx = the build's "
+                        "ONNX Runtime engines (default: cuda for --profile gpu; else the build's default target on "
+                        "this host: cpu int4 where the CPU has oneDNN's bf16 kernels and the checkpoint 4-bit blocks, "
+                        "else onnx)")
+    t.add_argument("--dtype", choices=(AUTO_DTYPE, *TARGET_DTYPES), default=RepoConfig.dtype,
+                   help="that torch engine's precision (default: %(default)s: with no --device, the build's default "
+                        "target, see --device; with one, fp32)")
 
     t.add_argument("--instances", type=int, default=RepoConfig.instances,
                    help="spork model instances, each one engine core over its own KV pool (default: %(default)s)")
@@ -294,6 +298,9 @@ def inspect(a) -> int:
         size = mf.weights(m, e).get("bytes", 0)
         print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB"
               + (f"  weights: {e['weights']}" if e.get("weights") else ""))
+    from spork_trt.engines.default_target import default_target
+
+    print(f"default target on this host (--dtype auto): {default_target(m).describe()}")
     print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
     if a.verify:
         print(f"all {len(m['artifacts'])} artifacts match their sha256")

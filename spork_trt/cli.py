@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from .config import CPU_TORCH_DTYPES, DEVICE_DTYPE, TARGET_DTYPES, GenerateConfig, SpecConfig
-from .draft_kinds import AUTO_DRAFT, DRAFT_HELP, parse_draft
+from .config import AUTO_DTYPE, CPU_TORCH_DTYPES, DEVICE_DTYPE, TARGET_DTYPES, GenerateConfig, SpecConfig
+from .draft_kinds import AUTO_DRAFT, DRAFT_HELP, EARLY_EXIT, is_kind, parse_draft
 from .errors import UserError
 from .io_spec import REQUEST_FIELDS, request_config
 
@@ -68,8 +68,11 @@ def build_parser() -> Parser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="run the target from --model on this device (cuda: the device engine with CUDA graphs; "
                         "unverified until it runs on a GPU)")
-    g.add_argument("--dtype", choices=TARGET_DTYPES, default=DEVICE_DTYPE,
-                   help="the target's precision on a torch device (default %(default)s). --device cuda: the device "
+    g.add_argument("--dtype", choices=(AUTO_DTYPE, *TARGET_DTYPES), default=AUTO_DTYPE,
+                   help="the target's precision (default %(default)s: on a CPU with oneDNN's bf16 kernels and a GGUF "
+                        "checkpoint with 4-bit blocks, int4, the fastest lossless target measured; else fp32, the "
+                        f"build's ONNX target or the reference engine; {DEVICE_DTYPE} with --device cuda). "
+                        "--device cuda: the device "
                         "engine (bf16 and fp16 are not row-invariant on a GPU); on the CPU, bf16 runs the "
                         "checkpoint (of --model, or of the --engines build, with its tokenizer and datastore) on "
                         "oneDNN's bf16 kernels, and int4 its own Q4_0/Q4_1 blocks on ATen's int4 kernel with bf16 "
@@ -132,9 +135,33 @@ def default_engines(a: argparse.Namespace) -> tuple[str | None, str]:
     if a.engines or a.model or a.device != "cpu":
         return a.engines, ""
     if (Path(DEFAULT_ENGINES) / "manifest.json").is_file():
-        return DEFAULT_ENGINES, f"[generate] the build in {DEFAULT_ENGINES} (--model runs the PyTorch reference engine)"
-    return None, (f"[generate] no build in {DEFAULT_ENGINES}: the PyTorch reference engine (slower; `python -m export "
-                  "build` makes the build)")
+        return DEFAULT_ENGINES, f"[generate] the build in {DEFAULT_ENGINES} (--model runs a checkpoint without one)"
+    return None, (f"[generate] no build in {DEFAULT_ENGINES}: the checkpoint on a torch engine (`python -m export "
+                  "build` makes the build, with the datastore drafter)")
+
+
+def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
+    """--dtype, with auto resolved to the build's (or checkpoint's) default target on this host
+    (engines/default_target.py), and the line that says which ("" when --dtype was given). --mode gate and
+    early-exit drafts run beside the build's ONNX target (they share its early-layer verifier graph)."""
+    from pathlib import Path
+
+    from . import manifest as mf
+    from .engines.default_target import choose, default_target
+    from .weights import default_gguf_path
+
+    if a.dtype != AUTO_DTYPE:
+        return a.dtype, ""
+    if a.device != "cpu":
+        return DEVICE_DTYPE, ""
+    if a.mode == "gate" or is_kind(a.draft, EARLY_EXIT):
+        return "fp32", ""
+    t = default_target(mf.read(Path(a.engines))) if a.engines else choose("fp32", Path(a.model or default_gguf_path()))
+    if t.device == "cpu":
+        other = "the build's ONNX target" if a.engines else "the PyTorch reference engine"
+        return t.dtype, f"[generate] target: {t.describe()}; --dtype fp32 runs {other}"
+    return "fp32", ("[generate] target: " + (t.describe() if a.engines else f"fp32 on the PyTorch reference engine "
+                                              f"({t.why})"))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -150,11 +177,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     a.engines, which = default_engines(a)
     if a.verify and not a.engines:
         raise UserError("--verify checks a build's artifacts: pass --engines DIR")
-    if a.engines and a.dtype not in ("fp32",) + CPU_TORCH_DTYPES:
+    if a.engines and a.dtype not in ("fp32", AUTO_DTYPE) + CPU_TORCH_DTYPES:
         raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 or int4 "
                         "runs its checkpoint on the CPU torch engine")
-    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=build_target_device(a.dtype), dtype=a.dtype)
-          if a.engines else Runtime.load(a.model, a.device, a.dtype))
+    dtype, chosen = auto_dtype(a)
+    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=build_target_device(dtype), dtype=dtype)
+          if a.engines else Runtime.load(a.model, a.device, dtype))
+    which = "\n".join(line for line in (which, chosen) if line)
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)

@@ -127,6 +127,7 @@ class GenerateConfig:
 DEVICE_DTYPES = ("bf16", "fp16", "fp32")  # the device engine's precisions (--dtype)
 CPU_TORCH_DTYPES = ("bf16", "int4")  # the CPU torch engine's (engines/onednn_engine.py; int4: the checkpoint's blocks)
 TARGET_DTYPES = DEVICE_DTYPES + ("int4",)  # every --dtype of a torch target (int4 on the CPU only)
+AUTO_DTYPE = "auto"  # --dtype: the build's default target on this host (engines/default_target.py)
 # fp32 by default: on an H200 (bench/gpu_check.sh, docs/engines.md) fp32 was lossless (trees, batches and the CPU
 # engine all gave plain's tokens) and faster for this small model (its forward is launch-bound: 249 vs 193 tokens/s);
 # bf16 changed 14 of 16 wide-tree answers and 15 of 16 batched ones (its kernels differ by row count)
@@ -152,11 +153,6 @@ class SpecConfig:
     tau: float = 0.1  # starting pruning threshold on path survival (adapts toward target_acceptance)
     target_acceptance: float = 0.7  # acceptance rate of verified draft nodes that tau steers toward
     gate_tau: float = 0.0  # > 0: lossy gate mode, the verifier alone accepts paths this confident
-
-    @property
-    def tree_room(self) -> int:
-        """KV positions one step needs past the committed tokens: the tree's nodes, catch-up tokens, the root."""
-        return self.tree_budget + self.tree_depth + 1
 
     @classmethod
     def for_draft(cls, draft: str, width: int | None = None, depth: int | None = None,

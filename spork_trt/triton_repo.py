@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic, io_spec
-from .config import DEVICE_DTYPE, DEVICE_DTYPES, TARGET_DTYPES, SpecConfig
+from .config import AUTO_DTYPE as AUTO, DEVICE_DTYPE, DEVICE_DTYPES, TARGET_DTYPES, SpecConfig
 from .draft_kinds import AUTO_DRAFT
 from .errors import UserError
 
@@ -39,7 +39,7 @@ class RepoConfig:
     max_queue: int = 64  # requests waiting for a slot per instance; beyond them: UNAVAILABLE, retry later
     unary_instances: int = 4  # light instances of each unary model (BLS callers of spork), each a batch at once
     device: str | None = None  # the target on the device engine there (DEVICES); None: cuda for gpu, else ""
-    dtype: str = DEVICE_DTYPE  # the device engine's precision (DEVICE_DTYPES)
+    dtype: str = AUTO  # the torch engine's precision (TARGET_DTYPES); auto: deployed_target
     prefix_reuse: bool = True  # a prompt starting with a finished request's KV rows reuses them (prefix_cache)
     request_timeout_s: float = 600.0  # a request's deadline: the default, and the longest `timeout_s` it may ask
 
@@ -171,6 +171,20 @@ def ensure_rendered(cfg: RepoConfig, verify: bool = False) -> Path:
     return render(cfg)
 
 
+def deployed_target(cfg: RepoConfig, manifest: dict) -> tuple[str, str]:
+    """(device, dtype) the spork model runs: --dtype auto with no --device on the cpu profile is the build's
+    default target on this host (engines/default_target.py: the int4 CPU engine where it is the fastest, else the
+    build's ONNX target); auto with a device is that device engine's DEVICE_DTYPE."""
+    if cfg.dtype != AUTO:
+        return cfg.target_device, cfg.dtype
+    if cfg.device is None and cfg.profile == "cpu":
+        from .engines.default_target import default_target
+
+        t = default_target(manifest)
+        return t.device, (t.dtype if t.device else DEVICE_DTYPE)
+    return cfg.target_device, DEVICE_DTYPE
+
+
 def render(cfg: RepoConfig) -> Path:
     """Write the repository; returns its path. Idempotent: rewrites every file it owns."""
     from google.protobuf import text_format
@@ -186,12 +200,13 @@ def render(cfg: RepoConfig) -> Path:
                         f"{cfg.max_queue}")
     if not 0 < cfg.request_timeout_s < float("inf"):
         raise UserError(f"--request-timeout must be a positive number of seconds, got {cfg.request_timeout_s}")
-    if cfg.target_device not in DEVICES or cfg.dtype not in TARGET_DTYPES:
+    if cfg.target_device not in DEVICES or cfg.dtype not in (AUTO, *TARGET_DTYPES):
         raise UserError(f"--device must be one of cuda, cpu (or none: ONNX Runtime) and --dtype one of "
-                        f"{', '.join(TARGET_DTYPES)}, got {cfg.target_device!r} and {cfg.dtype!r}")
-    if cfg.dtype not in DEVICE_DTYPES and cfg.target_device != "cpu":
+                        f"{', '.join((AUTO, *TARGET_DTYPES))}, got {cfg.target_device!r} and {cfg.dtype!r}")
+    if cfg.dtype not in (AUTO, *DEVICE_DTYPES) and cfg.target_device != "cpu":
         raise UserError(f"--dtype {cfg.dtype} runs on the CPU torch engine: pass --device cpu")
     manifest = mf.read(cfg.engines)  # a clear error if this is not a build
+    device, dtype = deployed_target(cfg, manifest)
     window = mf.spec_config(manifest["model"]).max_seq_len
     if cfg.profile == "gpu-onnx" and manifest.get("build_inputs", {}).get("attention") == io_spec.GQA:
         print(f"warning: {cfg.engines} has GroupQueryAttention graphs, whose attention ONNX Runtime's GPU providers "
@@ -214,7 +229,7 @@ def render(cfg: RepoConfig) -> Path:
                   "max_queue": str(cfg.max_queue), "prefix_reuse": str(int(cfg.prefix_reuse)),
                   "timeout_s": str(cfg.request_timeout_s),
                   "providers": GPU_PROVIDERS if cfg.profile == "gpu-onnx" else "CPUExecutionProvider",
-                  "device": cfg.target_device, "dtype": cfg.dtype, "_count": str(cfg.instances)},
+                  "device": device, "dtype": dtype, "_count": str(cfg.instances)},
         "spork_unary": {"_count": str(cfg.unary_instances)},
         "ensemble_unary": {"_count": str(cfg.unary_instances)},
         "postprocessing": {"engines": where},

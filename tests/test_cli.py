@@ -72,8 +72,9 @@ def test_json_output_and_streamed_text_agree():
     assert st["steps"] == len(out["token_ids"]) and st["draft_tokens"] == 0 and st["tokens_per_second"] > 0
     streamed = run("generate", "What is the capital of France?", "--max-new-tokens", "12")  # spork by default
     assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n"  # lossless: the same text
-    assert streamed.stderr.startswith(f"[spork/torch] {len(out['token_ids'])} tokens in ")
-    assert "no build in engines/default: the PyTorch reference engine" in streamed.stderr
+    assert streamed.stderr.startswith("[spork/torch") and f"] {len(out['token_ids'])} tokens in " in streamed.stderr
+    assert "no build in engines/default: the checkpoint on a torch engine" in streamed.stderr
+    assert "[generate] target: " in streamed.stderr  # int4 on the CPU torch engine, or fp32 on the reference
 
 
 @pytest.mark.slow
@@ -83,7 +84,8 @@ def test_generate_runs_the_default_build_when_there_is_one(default_engines, tmp_
     (tmp_path / "engines" / "default").symlink_to(default_engines)
     r = run("generate", "What is the capital of France?", "--max-new-tokens", "12", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stderr.startswith("[spork/onnx") and "[generate] the build in engines/default" in r.stderr
+    assert r.stderr.startswith(("[spork/onnx", "[spork/torch-cpu-int4"))  # the build's default target
+    assert "[generate] the build in engines/default" in r.stderr
     assert "Paris" in r.stdout
 
 

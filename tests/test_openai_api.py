@@ -87,9 +87,10 @@ def client(api):
 def reference(default_engines):
     """Plain greedy decoding on the same engines, in this process: (text, token ids) of prompt ids."""
     from spork_trt.config import GenerateConfig
+    from spork_trt.config import AUTO_DTYPE
     from spork_trt.runtime import Runtime
 
-    rt = Runtime.from_engines(default_engines)
+    rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
 
     def run(ids: list[int], max_tokens: int = MAX_TOKENS):
         r = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens))
@@ -314,7 +315,7 @@ def test_a_full_queue_is_a_503_with_retry_after_and_the_others_are_answered(defa
 
     repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=1, max_queue=1))
     proc, base, model = start_serve(["--repo", str(repo), "--log", str(tmp_path / "triton.log")], tmp_path)
-    prompt, tokens = "Write a short story about a lighthouse keeper.", 64
+    prompt, tokens = "Write a short story about a lighthouse keeper.", 256  # long enough that the six overlap
     try:
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda _: post_completion(base, model, prompt, tokens), range(6)))

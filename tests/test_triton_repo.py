@@ -48,8 +48,9 @@ def test_rendered_configs_match_io_spec(default_engines, tmp_path, profile, caps
     assert sp.instance_group[0].count == 2 and sp.parameters["slots"].string_value == "4"
     assert int(sp.parameters["max_len"].string_value) > 1024 and sp.parameters["max_queue"].string_value == "64"
     assert ("TensorrtExecutionProvider" in sp.parameters["providers"].string_value) == (profile == "gpu-onnx")
-    assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
-    assert sp.parameters["dtype"].string_value == "fp32"  # config.DEVICE_DTYPE: the lossless one on a GPU
+    if profile != "cpu":  # the cpu profile's default target: test_the_default_repository_serves_...
+        assert sp.parameters["device"].string_value == ("cuda" if profile == "gpu" else "")  # "": ONNX Runtime
+        assert sp.parameters["dtype"].string_value == "fp32"  # config.DEVICE_DTYPE: the lossless one on a GPU
     assert all(load(repo, m).instance_group[0].count == 3 for m in io_spec.UNARY_MODELS)
     # cancel_key is the unary models' own, per request: a client cannot send one; without input_ids it would be a cancel
     unary = load(repo, "spork_unary")
@@ -113,7 +114,7 @@ def test_the_startup_line_names_the_target_the_repository_serves(default_engines
     --device cpu --dtype bf16 or int4: the CPU torch engine)."""
     from spork_trt.serving_cli import served_target
 
-    onnx = render(RepoConfig(default_engines, tmp_path / "onnx"))
+    onnx = render(RepoConfig(default_engines, tmp_path / "onnx", device=""))  # export triton --device onnx
     bf16 = render(RepoConfig(default_engines, tmp_path / "bf16", device="cpu", dtype="bf16"))
     assert served_target(onnx).startswith("fp32 target, ")
     int4 = render(RepoConfig(default_engines, tmp_path / "int4", device="cpu", dtype="int4"))
@@ -133,3 +134,22 @@ def test_a_step_s_error_kind_is_found_from_its_message():
     assert error_kind("internal error in request 3f2a: the server logged the detail (quote this id)") == "internal"
     assert error_kind('text_input is missing: send the prompt as "text_input" (a string)') == "invalid"  # preprocessing
     assert error_kind("preprocessing: internal error in request 3f2a: the server logged the detail") == "internal"
+
+
+def test_the_default_repository_serves_the_build_s_default_target(default_engines, tmp_path, monkeypatch):
+    """With no --device or --dtype the repository runs the build's default target on this host
+    (engines/default_target.py): int4 on the CPU torch engine where the CPU has oneDNN's bf16 kernels, else the
+    build's ONNX target; the gpu profiles keep their device."""
+    from spork_trt import manifest as mf
+    from spork_trt.engines import onednn_engine
+    from spork_trt.engines.default_target import default_target
+
+    want = default_target(mf.read(default_engines))
+    assert (want.device, want.dtype) == (("cpu", "int4") if onednn_engine.onednn_bf16_available() else ("", "fp32"))
+    sp = load(render(RepoConfig(default_engines, tmp_path / "auto")), "spork").parameters
+    assert (sp["device"].string_value, sp["dtype"].string_value) == (want.device, want.dtype)
+    monkeypatch.setattr(onednn_engine, "onednn_bf16_available", lambda: False)  # a CPU without them
+    sp = load(render(RepoConfig(default_engines, tmp_path / "plain_cpu")), "spork").parameters
+    assert (sp["device"].string_value, sp["dtype"].string_value) == ("", "fp32")
+    sp = load(render(RepoConfig(default_engines, tmp_path / "gpu", "gpu")), "spork").parameters
+    assert (sp["device"].string_value, sp["dtype"].string_value) == ("cuda", "fp32")

