@@ -227,7 +227,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
         build(BuildConfig(out=engines))  # also renders the Triton repository
     repo = ensure_rendered(RepoConfig(engines))
     cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    print(f"[demo] starting Triton on {repo} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
+    print(f"[demo] starting Triton on {repo}, serving the {served_target(repo)} (log: {cfg.log}) ...",
+          file=sys.stderr, flush=True)
     with TritonServer(cfg) as server:
         print(f"[demo] ready on gRPC {server.grpc_url}; streaming the answer to: {a.prompt}", file=sys.stderr,
               flush=True)

@@ -289,7 +289,9 @@ def trt_tools() -> dict:
 
 
 def render_triton(out: Path) -> None:
+    from ..engines.default_target import default_target
     from ..triton_repo import RepoConfig, render
 
-    stage("rendering the Triton model repository triton_repo (cpu profile)")
+    stage("rendering the Triton model repository triton_repo (cpu profile; the default target on this host: "
+          f"{default_target(mf.read(out)).describe()})")
     render(RepoConfig(out))
