@@ -90,6 +90,7 @@ def serve_and_measure(engines: Path, out: Path, reuse: bool, mode: str, a, level
 
     from spork_trt.openai_api.server import FrontConfig, OpenAIServer
     from spork_trt.serve import ServerConfig, TritonServer, free_port
+    from spork_trt.serving_cli import served_target
     from spork_trt.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(engines, out / f"repo-reuse-{'on' if reuse else 'off'}", slots=a.slots,
@@ -108,7 +109,7 @@ def serve_and_measure(engines: Path, out: Path, reuse: bool, mode: str, a, level
                 print(f"[bench chat] reuse {'on' if reuse else 'off'}, {mode}: {conc} client(s)", file=sys.stderr,
                       flush=True)
                 todo = list(islice(questions, max(a.limit or 16, conc)))
-                rows.append({"reuse": reuse, "mode": mode,
+                rows.append({"reuse": reuse, "mode": mode, "target": served_target(repo),
                              **level(client, front.model_name, todo, conc, a.max_new_tokens, mode)})
         finally:
             front.stop()
@@ -153,7 +154,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def table(s: dict) -> str:
     lines = [f"bench chat, git sha {s['git_sha']}, {s['conversations']} two-turn conversations a level, "
-             f"{s['max_new_tokens']} new tokens a turn, {s['slots']} slots", "",
+             f"{s['max_new_tokens']} new tokens a turn, {s['slots']} slots; served: {s.get('target', '?')}", "",
              "| reuse | mode | clients | turn 1 TTFT p50 / p90 s | turn 2 TTFT p50 / p90 s | turn 2 cached | output "
              "tokens/s |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in s["levels"]:
@@ -163,8 +164,9 @@ def table(s: dict) -> str:
                      f"{t2['cached_tokens'] / max(t2['prompt_tokens'], 1):.0%} | {r['output_tokens_per_second']:.1f} |")
     lines.append("")
     lines += [f"{r['concurrency']} client(s), {r['mode']}: turn-2 TTFT p50 on / off {r['turn2_ttft_p50_on_over_off']}x,"
-              f" output tokens/s on / off {r['tokens_per_second_on_over_off']}x; spork / plain (reuse on) "
-              f"{r['tokens_per_second_spork_over_plain']}x" for r in s["ratios"]]
+              f" output tokens/s on / off {r['tokens_per_second_on_over_off']}x"
+              + (f"; spork / plain (reuse on) {r['tokens_per_second_spork_over_plain']}x"
+                 if r["tokens_per_second_spork_over_plain"] is not None else "") for r in s["ratios"]]
     lines.append(f"texts differing between reuse on and off: {s['mismatches']['reuse']}, between spork and plain: "
                  f"{s['mismatches']['mode']} (lossless: 0)")
     return "\n".join(lines)
@@ -187,7 +189,7 @@ def main(a) -> int:
                 rows += [{**r, "repeat": i}
                          for r in serve_and_measure(Path(a.engines), out, reuse, mode, a, levels, convs)]
     summary = {"git_sha": git_sha(), "conversations": a.limit or 16, "max_new_tokens": a.max_new_tokens,
-               "slots": a.slots, "levels": rows, "ratios": ratios(rows),
+               "slots": a.slots, "target": rows[0]["target"], "levels": rows, "ratios": ratios(rows),
                "mismatches": {"reuse": mismatches(rows, "reuse"), "mode": mismatches(rows, "mode")},
                "command": command()}
     for r in rows:

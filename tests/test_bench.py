@@ -370,3 +370,7 @@ def test_bench_chat_pairs_reuse_on_with_off_and_spork_with_plain_and_counts_diff
                   "ratios": ratios(rows), "mismatches": {"reuse": 3, "mode": 1}})
     assert "| on | spork | 1 | 0.100 / 0.100 | 0.100 / 0.100 | 80% | 60.0 |" in text and "on / off 0.25x" in text
     assert "spork / plain (reuse on) 1.5x" in text and "between spork and plain: 1" in text
+    spork_only = [r for r in rows if r["mode"] == "spork"]  # --modes spork: no spork / plain ratio to print
+    text = table({"git_sha": "abc", "conversations": 2, "max_new_tokens": 8, "slots": 4, "target": "int4 target",
+                  "levels": spork_only, "ratios": ratios(spork_only), "mismatches": {"reuse": 1, "mode": 0}})
+    assert "spork / plain" not in text and "None" not in text and "served: int4 target" in text
