@@ -142,8 +142,8 @@ def default_engines(a: argparse.Namespace) -> tuple[str | None, str]:
 
 def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
     """--dtype, with auto resolved to the build's (or checkpoint's) default target on this host
-    (engines/default_target.py), and the line that says which ("" when --dtype was given). --mode gate and
-    early-exit drafts run beside the build's ONNX target (they share its early-layer verifier graph)."""
+    (engines/default_target.py), and the line that says which ("" when --dtype was given). --mode gate, --verifier
+    on and early-exit drafts run beside the build's ONNX target (the early-layer verifier reads its cache)."""
     from pathlib import Path
 
     from . import manifest as mf
@@ -154,7 +154,7 @@ def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
         return a.dtype, ""
     if a.device != "cpu":
         return DEVICE_DTYPE, ""
-    if a.mode == "gate" or is_kind(a.draft, EARLY_EXIT):
+    if a.mode == "gate" or a.verifier == "on" or is_kind(a.draft, EARLY_EXIT):
         return "fp32", ""
     t = default_target(mf.read(Path(a.engines))) if a.engines else choose("fp32", Path(a.model or default_gguf_path()))
     if t.device == "cpu":

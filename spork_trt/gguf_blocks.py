@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
-from .weights import entries, unpermute_rope
+from .weights import entries, gguf_reader, unpermute_rope
 
 BLOCK = 32
 KEPT = ("Q4_0", "Q4_1", "Q8_0")
@@ -56,11 +56,10 @@ def decode(kind: str, raw: np.ndarray) -> Blocks:
 def read_blocks(gguf_path: Path, rope_heads: dict[str, int]) -> dict[str, Blocks]:
     """Every Q4_0 / Q4_1 / Q8_0 tensor of a GGUF file; `rope_heads` names the tensors whose rows llama.cpp
     permuted per head (weights.unpermute_rope), with their head counts."""
-    import gguf
     import torch
 
     out = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+    for t in gguf_reader(gguf_path).tensors:
         if t.tensor_type.name not in KEPT:
             continue
         blocks = decode(t.tensor_type.name, np.asarray(t.data))

@@ -5,6 +5,8 @@ anything else is a `UserError` naming the file and the tensor. Safetensors and G
 """
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import json
 from collections.abc import Callable
@@ -217,13 +219,28 @@ def hf_rope_scaling(s: dict | None, where: Path) -> RopeScaling | None:
 
 # ---- GGUF ---------------------------------------------------------------------------------------------------
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def gguf_reader(path: Path):
+    """gguf.GGUFReader over `path`, parsed once per process while the file is unchanged: parsing the default
+    model's metadata (its 49k-token vocabulary) takes 3.5 s, and a CPU torch target reads the file for its weights,
+    its 4-bit blocks and the default-target rule (engines/default_target.py)."""
+    st = Path(path).stat()
+    return _gguf_reader(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, mtime_ns: int, size: int):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises several types for a corrupt file
         raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf_reader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch != "llama":

@@ -58,8 +58,8 @@ def generate_json(engines, prompt: str, *flags: str) -> dict:
                                     "def add(a, b):\n    return a + b\n\ndef sub(a, b):"])
 def test_verifier_on_is_lossless_and_gate_mode_is_marked_lossy(calibrated, prompt):
     calibrated, _ = calibrated
-    plain = generate_json(calibrated, prompt, "--mode", "plain")
-    scored = generate_json(calibrated, prompt, "--verifier", "on")
+    plain = generate_json(calibrated, prompt, "--mode", "plain", "--dtype", "fp32")  # the verifier's target: ONNX
+    scored = generate_json(calibrated, prompt, "--verifier", "on")  # picks the ONNX target (the verifier reads it)
     assert scored["token_ids"] == plain["token_ids"]
     assert scored["stats"]["scored_steps"] > 0
     gate = generate_json(calibrated, prompt, "--mode", "gate", "--tau", "0.5")

@@ -36,11 +36,10 @@ class Target:
 
 def has_int4_blocks(gguf: Path) -> bool:
     """Whether a GGUF file stores weights as Q4_0 / Q4_1 blocks (reads the tensor table, not the weights)."""
-    import gguf as gg
-
     from ..gguf_blocks import INT4_KINDS
+    from ..weights import gguf_reader
 
-    return any(t.tensor_type.name in INT4_KINDS for t in gg.GGUFReader(str(gguf)).tensors)
+    return any(t.tensor_type.name in INT4_KINDS for t in gguf_reader(gguf).tensors)
 
 
 def choose(precision: str, checkpoint: Path | None) -> Target:
