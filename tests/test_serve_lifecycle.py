@@ -50,11 +50,12 @@ def launch(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen
 
 def launch_all(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int], list[str]]:
     """`serve` in a subprocess, ready; returns it, the process groups it leads (each guard's pid: a tritonserver's
-    or haproxy's) and its public ports (HTTP, gRPC, metrics). The repository has one instance of each model (fewer
-    stubs to start: these tests are about the processes)."""
+    or haproxy's) and its public ports (HTTP, gRPC, metrics). The repository has one instance of each model and the
+    build's ONNX target (fewer stubs, quicker loads, no spinning OpenMP threads beside a second replica: these tests
+    are about the processes)."""
     from spork_trt.triton_repo import RepoConfig, render
 
-    repo = render(RepoConfig(engines, tmp_path / "repo", slots=2, unary_instances=1))
+    repo = render(RepoConfig(engines, tmp_path / "repo", slots=2, unary_instances=1, device=""))
     ports = [str(free_port()) for _ in range(3)]
     err = (tmp_path / "launcher.err").open("w")  # a file, not a pipe nobody reads
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--repo", str(repo),
