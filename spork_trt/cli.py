@@ -159,8 +159,8 @@ def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
     t = default_target(mf.read(Path(a.engines))) if a.engines else choose("fp32", Path(a.model or default_gguf_path()))
     if t.device == "cpu":
         other = "the build's ONNX target" if a.engines else "the PyTorch reference engine"
-        return t.dtype, f"[generate] target: {t.describe()}; --dtype fp32 runs {other}"
-    return "fp32", ("[generate] target: " + (t.describe() if a.engines else f"fp32 on the PyTorch reference engine "
+        return t.flag, f"[generate] target: {t.describe()}; --dtype fp32 runs {other}"
+    return t.flag, ("[generate] target: " + (t.describe() if a.engines else f"fp32 on the PyTorch reference engine "
                                               f"({t.why})"))
 
 

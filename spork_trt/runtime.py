@@ -347,4 +347,4 @@ def resolve_target(manifest: dict, device: str | None, dtype: str) -> tuple[str 
     if device is not None:
         return device, DEVICE_DTYPE
     t = default_target(manifest)
-    return (t.device or None), (t.dtype if t.device else "fp32")
+    return (t.device or None), t.flag

@@ -181,7 +181,7 @@ def deployed_target(cfg: RepoConfig, manifest: dict) -> tuple[str, str]:
         from .engines.default_target import default_target
 
         t = default_target(manifest)
-        return t.device, (t.dtype if t.device else DEVICE_DTYPE)
+        return t.device, t.flag
     return cfg.target_device, DEVICE_DTYPE
 
 

@@ -28,6 +28,12 @@ class Target:
     dtype: str  # the build's precision for ONNX, else the torch engine's (config.TARGET_DTYPES)
     why: str  # one line: why this one
 
+    @property
+    def flag(self) -> str:
+        """The --dtype that runs it: the torch engine's dtype, or fp32 for the build's ONNX target (whatever its
+        precision: the build fixed it)."""
+        return self.dtype if self.device else "fp32"
+
     def describe(self) -> str:
         where = {ONNX: "the build's ONNX Runtime target", "cpu": "the CPU torch engine"}.get(self.device,
                                                                                            "the device engine")
