@@ -114,21 +114,30 @@ def test_spork_on_the_cpu_torch_engine_is_lossless_alone_and_batched(dtype):
     assert [out[i].token_ids for i in range(len(ids))] == plain
 
 
-def test_the_engines_lean_forward_computes_the_models_values(engines):
-    """engines/cpu_forward.py claims the reference model's arithmetic in fewer ops: the same logits, bit for bit,
-    as model.Transformer.forward over the same packed modules, pool and window."""
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+@pytest.mark.parametrize("slots", [[0, 1], [2, 0]])  # consecutive slots: a view of the pool; others: gathered
+def test_the_engines_lean_forward_computes_the_models_values(engines, dtype, slots):
+    """engines/cpu_forward.py claims the reference model's arithmetic in fewer ops, its layers run by TorchScript:
+    the same logits and tapped hidden states, bit for bit, as model.Transformer.forward over the same packed
+    modules, pool and window."""
     from spork_trt.engines import cpu_forward
     from spork_trt.engines.onednn_engine import WindowKV
 
-    engine = engines["int4"]
+    assert isinstance(cpu_forward.scripted_layers(), torch.jit.ScriptFunction)  # not the Python fallback
+    engine = engines[dtype]
     g = torch.Generator().manual_seed(1)
-    pool = engine.make_pool(2, 256).caches[0].device_slot[0]
     ids = torch.randint(0, 49152, (2, 5), generator=g)
     pos = torch.arange(5).repeat(2, 1)
     mask = torch.ones(2, 5, 64, dtype=torch.bool).tril(0)  # [B, T, C]: position p attends 0..p
     write = pos.clone()
     rows = torch.arange(10)
-    with torch.inference_mode():
-        lean = cpu_forward.forward(engine.model, ids, pos, mask, WindowKV(pool, [0, 1], write, 64), (), rows)
-        model = engine.model(ids, pos, mask, kv=WindowKV(pool, [0, 1], write, 64), logit_rows=rows)
+    taps = (3, 1)
+    out = []
+    for run in (lambda kv: cpu_forward.forward(engine.model, engine.weights, ids, pos, mask, kv, taps, rows),
+                lambda kv: engine.model(ids, pos, mask, kv=kv, taps=taps, logit_rows=rows)):
+        pool = engine.make_pool(3, 256).caches[0].device_slot[0]
+        with torch.inference_mode():
+            out.append(run(WindowKV(pool, slots, write, 64)))
+    lean, model = out
     assert torch.equal(lean.logits, model.logits)
+    assert torch.equal(lean.hidden, model.hidden)

@@ -1,20 +1,30 @@
-"""The CPU torch engine's forward: the reference model's arithmetic (model.py) over its modules, in fewer eager ops.
-Each op costs a microsecond or two of dispatch, and a 30-layer forward of one token spent 5.9 of its 11.3 ms outside
-the matmuls (measured with the matmuls stubbed out, docs/engines.md). So: q and k are rotated together, rotate_half
-is one roll (its negation folded into sin: -x2 * s and x2 * -s are the same number), norms are plain functions, and
-the pool's write indices are built once per forward (WindowKV). Every value is the one the model computes.
+"""The CPU torch engine's forward: the reference model's arithmetic (model.py) over its modules, in fewer ops and
+with no Python between them. Each op costs a microsecond or two of dispatch, and a 30-layer forward of one token
+spent 5.9 of its 11.3 ms outside the matmuls (measured with the matmuls stubbed out, docs/engines.md). So: q and k
+are rotated together, rotate_half is one roll (its negation folded into sin: -x2 * s and x2 * -s are the same
+number), the pool's write indices are built once per forward (WindowKV), and the layer loop is one TorchScript
+function (`layers`, scripted once per process): the same ATen ops in the same order, so the same bits (TorchScript
+fuses nothing on a CPU: tests/test_onednn_engine.py compares with model.py), run by TorchScript's interpreter instead
+of Python (a one-token int4 forward 9.3 -> 7.2 ms, docs/engines.md). Where scripting is unavailable the same
+function runs in Python.
 
   forward   ids, pos [B, T]; mask [B, T, C]; kv (WindowKV) -> ModelOutput: logits [R, V] at logit_rows, hidden
             [B, T, k*C] at taps
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..model import Block, ModelOutput, Transformer, mask_bias
+from ..gguf_blocks import BLOCK
+from ..model import ModelOutput, Transformer, mask_bias
+from .cpu_linears import matmul
 
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,48 +37,111 @@ def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -
     return cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
 
 
-def rms(x: torch.Tensor, norm) -> torch.Tensor:
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """model.RMSNorm's arithmetic, without the module call."""
     x32 = x.float()
-    return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def block(blk: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, layer: int,
-          kv) -> torch.Tensor:
-    """x [B, T, C] -> [B, T, C]: one layer (model.Block)."""
-    b, t, _ = x.shape
-    a = blk.attn
-    h, hkv, d = a.n_heads, a.n_kv_heads, a.head_dim
-    y = rms(x, blk.attn_norm)
-    qkv = a.wqkv(y) if a.wqkv is not None else torch.cat((a.wq(y), a.wk(y), a.wv(y)), dim=-1)  # [B, T, (H+2Hkv)D]
-    qk = qkv[..., :(h + hkv) * d].view(b, t, h + hkv, d).transpose(1, 2)  # [B, H+Hkv, T, D]
-    qk = qk * cos + qk.roll(d // 2, -1) * sin
-    v = qkv[..., (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-    keys, values = kv.update(layer, qk[:, h:], v)  # [B, Hkv, C, D]
-    c = keys.shape[2]
-    keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)  # views for consecutive slots
-    q = qk[:, :h].reshape(b * hkv, (h // hkv) * t, d)
-    scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, h // hkv, t, c)  # [B, Hkv, G, T, C]
-    probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
-    out = torch.bmm(probs.view(b * hkv, (h // hkv) * t, c), values)  # [B*Hkv, G*T, D]
-    x = x + a.wo(out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
-    m = blk.mlp
-    y = rms(x, blk.mlp_norm)
-    gate, up = m.gate_up(y).chunk(2, dim=-1) if m.gate_up is not None else (m.gate(y), m.up(y))
-    return x + m.down(F.silu(gate) * up)
+@dataclass(frozen=True)
+class LayerWeights:
+    """Every layer's tensors as flat lists, in the order `layers` reads them."""
+    norms: list[torch.Tensor]  # [2L]: each layer's attention then MLP norm weight [C]
+    packed: list[torch.Tensor]  # per layer: the q/k/v projection's parts, wo, the gate/up parts, down
+    scales: list[torch.Tensor]  # the same projections' int4 block scales, or empty (bf16: cpu_linears.matmul)
+    parts: list[int]  # [q/k/v parts, gate/up parts]: 1 each when fused (cpu_linears.FUSED), else 3 and 2
+    dims: list[int]  # [H, Hkv, D, weights per int4 block] (TorchScript reads no globals)
+    eps: float
 
 
-def forward(model: Transformer, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, kv, taps: tuple[int, ...],
-            logit_rows: torch.Tensor) -> ModelOutput:
+def layer_weights(model: Transformer) -> LayerWeights:
+    """The packed modules' tensors (after cpu_linears.pack_linears) in `layers`' order."""
+    norms, linears = [], []
+    for blk in model.layers:
+        a, m = blk.attn, blk.mlp
+        qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
+        gate_up = [m.gate_up] if m.gate_up is not None else [m.gate, m.up]
+        norms += [blk.attn_norm.weight, blk.mlp_norm.weight]
+        linears += [*qkv, a.wo, *gate_up, m.down]
+    a = model.layers[0].attn
+    return LayerWeights(norms, [lin.packed for lin in linears], [lin.scales for lin in linears],
+                        [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK],
+                        model.layers[0].attn_norm.eps)
+
+
+def project(y: torch.Tensor, packed: List[torch.Tensor], scales: List[torch.Tensor], j: int, n: int,
+            group: int) -> torch.Tensor:
+    """y [N, in] -> the outputs of projections j .. j+n-1 side by side [N, sum of outs] (one: no copy)."""
+    if n == 1:
+        return matmul(y, packed[j], scales[j], group)
+    return torch.cat([matmul(y, packed[j + p], scales[j + p], group) for p in range(n)], dim=-1)
+
+
+def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, pool_k: torch.Tensor,
+           pool_v: torch.Tensor, at: List[Optional[torch.Tensor]], first: int, gather: torch.Tensor, c: int,
+           norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor], parts: List[int],
+           dims: List[int], eps: float, taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """x [B, T, C] through every layer (model.Block's arithmetic). Each layer writes its new K/V rows into the pool
+    [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv, T]), then attends positions [0, c) of the
+    sequences' slots: slots first .. first+B-1 (a view), or `gather`'s when first < 0 (a copy). Returns x and the
+    hidden states after each layer in `taps`."""
+    b, t = x.shape[0], x.shape[1]
+    h, hkv, d, group = dims[0], dims[1], dims[2], dims[3]
+    g = h // hkv
+    per = parts[0] + parts[1] + 2  # projections a layer has
+    tapped: List[torch.Tensor] = []
+    for i in range(len(norms) // 2):
+        j = i * per
+        y = rms(x, norms[2 * i], eps).reshape(b * t, -1)
+        qkv = project(y, packed, scales, j, parts[0], group).view(b, t, -1)  # [B, T, (H+2Hkv)D]
+        qk = qkv[:, :, :(h + hkv) * d].view(b, t, h + hkv, d).transpose(1, 2)  # [B, H+Hkv, T, D]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin
+        v = qkv[:, :, (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+        layer_k, layer_v = pool_k[i], pool_v[i]  # [slots, Hkv, S, D]
+        layer_k.index_put_(at, qk[:, h:].to(layer_k.dtype))
+        layer_v.index_put_(at, v.to(layer_v.dtype))
+        if first >= 0:
+            keys, values = layer_k[first:first + b, :, :c], layer_v[first:first + b, :, :c]  # [B, Hkv, C, D]
+        else:
+            keys, values = layer_k[:, :, :c].index_select(0, gather), layer_v[:, :, :c].index_select(0, gather)
+        keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)
+        q = qk[:, :h].reshape(b * hkv, g * t, d)
+        scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
+        probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
+        out = torch.bmm(probs.view(b * hkv, g * t, c), values)  # [B*Hkv, G*T, D]
+        out = out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
+        x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group).view(b, t, -1)
+        y = rms(x, norms[2 * i + 1], eps).reshape(b * t, -1)
+        gate, up = project(y, packed, scales, j + parts[0] + 1, parts[1], group).chunk(2, dim=-1)
+        x = x + matmul(F.silu(gate) * up, packed[j + per - 1], scales[j + per - 1], group).view(b, t, -1)
+        if i + 1 in taps:
+            tapped.append(x)
+    return x, tapped
+
+
+@functools.cache
+def scripted_layers():
+    """`layers` compiled by TorchScript, once per process; `layers` itself where that fails (the same ops)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.script
+            return torch.jit.script(layers)
+    except Exception as e:  # noqa: BLE001 - any scripting failure leaves the same arithmetic in Python
+        warnings.warn(f"the CPU torch engine runs its layers in Python (TorchScript failed: {e})", RuntimeWarning)
+        return layers
+
+
+def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+            kv, taps: tuple[int, ...], logit_rows: torch.Tensor) -> ModelOutput:
     """model.Transformer.forward over every layer, in this module's ops."""
     x = model.embed(ids)  # [B, T, C]
     cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
     bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
-    tapped = {}
-    for i, blk in enumerate(model.layers):
-        x = block(blk, x, cos, sin, bias, i, kv)
-        if i + 1 in taps:
-            tapped[i + 1] = x
-    hidden = torch.cat([tapped[t] for t in taps], dim=-1) if taps else None  # [B, T, k*C]
+    first, gather = (kv.window.start, kv.slots) if kv.window is not None else (-1, kv.slots)
+    x, tapped = scripted_layers()(x, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, gather, kv.c,
+                                  weights.norms, weights.packed, weights.scales, weights.parts, weights.dims,
+                                  weights.eps, list(taps))
+    after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [B, T, C] (`layers` returns them in layer order)
+    hidden = torch.cat([after[t] for t in taps], dim=-1) if taps else None  # [B, T, k*C]
     x = x.reshape(-1, x.shape[-1])[logit_rows]  # [R, C]
-    return ModelOutput(logits=model.lm_head(rms(x, model.norm)), hidden=hidden)
+    return ModelOutput(logits=model.lm_head(rms(x, model.norm.weight, model.norm.eps)), hidden=hidden)

@@ -19,6 +19,15 @@ from ..gguf_blocks import BLOCK, INT4_KINDS, Blocks
 from ..model import MLP, Attention
 
 PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
+NO_SCALES = torch.empty(0)  # a PackedLinear's `scales`: its weight is bf16
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [N, in] bf16 -> [N, out] bf16: a PackedLinear's weight (`scales` empty) or an Int4Linear's blocks of
+    `group` weights. TorchScript-compatible: engines/cpu_forward.py runs it inside its scripted layers."""
+    if scales.numel() == 0:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
 
 class PackedLinear(nn.Module):
@@ -31,10 +40,11 @@ class PackedLinear(nn.Module):
         self.weight_numel = w.numel()
         self.weight_bytes = 2 * w.numel()  # what a forward reads
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        self.scales = NO_SCALES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] bf16 -> [..., out] bf16."""
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, None, "none", [], "")
+        y = matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales, BLOCK)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -55,7 +65,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] bf16 -> [..., out] bf16."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, BLOCK, self.scales)
+        y = matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales, BLOCK)
         return y.view(*x.shape[:-1], self.out_features)
 
 

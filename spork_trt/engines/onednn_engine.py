@@ -102,6 +102,7 @@ class OneDnnEngine(DeviceEngine):
         require_onednn()
         super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
         pack_linears(self.model, blocks or {})
+        self.weights = cpu_forward.layer_weights(self.model)
         bf16_body = any(isinstance(m, PackedLinear) for m in self.model.layers.modules())
         self.row_floor = (ROW_FLOOR if bf16_body else 1) if row_floor is None else row_floor
         self.head_floor = ROW_FLOOR if isinstance(self.model.lm_head, PackedLinear) else 1
@@ -135,7 +136,7 @@ class OneDnnEngine(DeviceEngine):
         asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
         kv = WindowKV(pool, slots, write, c)
-        out = cpu_forward.forward(self.model, ids, pos, mask, kv, self.taps if hidden is not None else (), asked)
+        out = cpu_forward.forward(self.model, self.weights, ids, pos, mask, kv, self.taps if hidden is not None else (), asked)
         for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
             if hidden is not None:
