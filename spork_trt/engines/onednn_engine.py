@@ -4,7 +4,8 @@ bf16 kernels, or (int4) on ATen's int4 kernel over the checkpoint's own 4-bit bl
 (AVX512-BF16, AMX) and cut the bytes it reads, measured in docs/engines.md. No torch.compile: that took 35-70 s per
 shape on 2 cores and was not cached across processes.
 
-It runs over the device engine's pools and slots, eagerly, only the slots of the sequences in a forward (B = their
+It runs over the device engine's pools and slots, its layers in TorchScript (engines/cpu_forward.py: eager ATen ops
+without Python between them), only the slots of the sequences in a forward (B = their
 number, T = the most new tokens of one: no static shapes, nothing to capture), with two differences that make it
 lossless:
 
