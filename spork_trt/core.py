@@ -5,7 +5,8 @@ scores it, and the scheduler's goodput allotment (scheduler.allot) decides acros
 target forward verifies; then per request: verify, commit, stream (into its outbox), recover. Prompts are
 prefilled in chunks that ride in that same forward: one token budget (`step_tokens`) holds every request's root,
 then the joining prompts' chunks, then the allotted nodes, so a long prompt never stalls the others and a step
-pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward).
+pays one forward's fixed cost (a padded engine, whose batch costs B x T, runs the chunks in a second forward:
+`chunks_apart`).
 Requests join and leave between steps; a cancelled one leaves at the next step and frees its slot. `generate`
 (generate.py) is this core with a batch of one: one code path for the CLI, the bench and the server.
 
@@ -151,7 +152,7 @@ class EngineCore:
         model's price of their tokens) is what verifying cost."""
         padded = self.engine.padded_batches
         logits, features, tree_s, prefill_s = {}, {}, 0.0, 0.0
-        for seqs in ([trees, chunks] if padded else [trees | chunks]):
+        for seqs in ([trees, chunks] if self.engine.chunks_apart else [trees | chunks]):
             if not seqs:
                 continue
             t = time.perf_counter()
@@ -339,7 +340,8 @@ class EngineCore:
         """Each decoding request's tree cut to its share of the goodput allotment across all of them
         (scheduler.allot), within the step's tokens left by `prefill` prompt tokens and priced as riding on them."""
         padded = self.engine.padded_batches
-        seconds = self.costs.seconds if padded or not prefill else (lambda n: self.costs.seconds(n + prefill))
+        seconds = self.costs.seconds if self.engine.chunks_apart or not prefill else (
+            lambda n: self.costs.seconds(n + prefill))
         counts = dict(zip(drafts, allot([d.cands or Candidates((), ()) for d in drafts.values()], seconds,
                                         self.cfg.step_tokens - prefill, padded)))
         self.switch.allotted([counts[r] for r, d in drafts.items() if d.cands is not None and d.cands.order])

@@ -147,6 +147,12 @@ class Engine(ABC):
     exact_trees: bool = True
     taps: tuple[int, ...] = ()  # layers whose hidden states forward_batch can return (io_spec.HIDDEN)
 
+    @property
+    def chunks_apart(self) -> bool:
+        """Prompt chunks run in a forward of their own, not beside the trees: in a padded batch a chunk would pad
+        every tree to its length (the CPU torch engine packs its rows but pads its attention: it says so itself)."""
+        return self.padded_batches
+
     @abstractmethod
     def make_cache(self, max_len: int) -> Rows:
         """Preallocated buffers for `max_len` positions."""

@@ -8,8 +8,14 @@ fuses nothing on a CPU: tests/test_onednn_engine.py compares with model.py), run
 of Python (a one-token int4 forward 9.3 -> 7.2 ms, docs/engines.md). Where scripting is unavailable the same
 function runs in Python.
 
-  forward   ids, pos [B, T]; mask [B, T, C]; kv (WindowKV) -> ModelOutput: logits [R, V] at logit_rows, hidden
-            [B, T, k*C] at taps
+Rows are packed: the linear layers, norms and residual stream run on the N real rows of a forward only (`real`,
+their flat indices b * T + t in the padded [B, T] layout), the attention on the padded layout (each row's q, k, v
+scattered into it, its output gathered back). A 16-request batch where one request verifies a chain of 4 then costs
+the int4 kernel 20 rows, not 16 x 5 (engines/__init__.py: `padded_batches`). Each row's values are the same either
+way: a linear layer computes every row alone (int4) or with the same multi-row kernel (bf16, at least its row floor).
+
+  forward   ids, pos [B, T]; mask [B, T, C]; kv (WindowKV); real [N] -> ModelOutput: logits [R, V] at logit_rows
+            (indices into the N packed rows), hidden [N, k*C] at taps
 """
 from __future__ import annotations
 
@@ -77,23 +83,26 @@ def project(y: torch.Tensor, packed: List[torch.Tensor], scales: List[torch.Tens
     return torch.cat([matmul(y, packed[j + p], scales[j + p], group) for p in range(n)], dim=-1)
 
 
-def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, pool_k: torch.Tensor,
-           pool_v: torch.Tensor, at: List[Optional[torch.Tensor]], first: int, gather: torch.Tensor, c: int,
-           norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor], parts: List[int],
-           dims: List[int], eps: float, taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """x [B, T, C] through every layer (model.Block's arithmetic). Each layer writes its new K/V rows into the pool
-    [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv, T]), then attends positions [0, c) of the
-    sequences' slots: slots first .. first+B-1 (a view), or `gather`'s when first < 0 (a copy). Returns x and the
-    hidden states after each layer in `taps`."""
-    b, t = x.shape[0], x.shape[1]
+def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tensor, sin: torch.Tensor,
+           bias: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, at: List[Optional[torch.Tensor]],
+           first: int, gather: torch.Tensor, c: int, norms: List[torch.Tensor], packed: List[torch.Tensor],
+           scales: List[torch.Tensor], parts: List[int], dims: List[int], eps: float,
+           taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """x [N, C], the rows `real` of a [B, T] forward, through every layer (model.Block's arithmetic). Each layer
+    writes its new K/V rows into the pool [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv, T]), then
+    attends positions [0, c) of the sequences' slots: slots first .. first+B-1 (a view), or `gather`'s when
+    first < 0 (a copy). Returns x and the hidden states [N, C] after each layer in `taps`."""
+    padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, hkv, d, group = dims[0], dims[1], dims[2], dims[3]
     g = h // hkv
     per = parts[0] + parts[1] + 2  # projections a layer has
     tapped: List[torch.Tensor] = []
     for i in range(len(norms) // 2):
         j = i * per
-        y = rms(x, norms[2 * i], eps).reshape(b * t, -1)
-        qkv = project(y, packed, scales, j, parts[0], group).view(b, t, -1)  # [B, T, (H+2Hkv)D]
+        qkv = project(rms(x, norms[2 * i], eps), packed, scales, j, parts[0], group)  # [N, (H+2Hkv)D]
+        if padding:
+            qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, real, qkv)  # padding rows: zeros
+        qkv = qkv.view(b, t, -1)  # [B, T, (H+2Hkv)D]
         qk = qkv[:, :, :(h + hkv) * d].view(b, t, h + hkv, d).transpose(1, 2)  # [B, H+Hkv, T, D]
         qk = qk * cos + qk.roll(d // 2, -1) * sin
         v = qkv[:, :, (h + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
@@ -110,10 +119,12 @@ def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Te
         probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
         out = torch.bmm(probs.view(b * hkv, g * t, c), values)  # [B*Hkv, G*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
-        x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group).view(b, t, -1)
-        y = rms(x, norms[2 * i + 1], eps).reshape(b * t, -1)
-        gate, up = project(y, packed, scales, j + parts[0] + 1, parts[1], group).chunk(2, dim=-1)
-        x = x + matmul(F.silu(gate) * up, packed[j + per - 1], scales[j + per - 1], group).view(b, t, -1)
+        if padding:
+            out = out.index_select(0, real)  # [N, H*D]
+        x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group)
+        gate, up = project(rms(x, norms[2 * i + 1], eps), packed, scales, j + parts[0] + 1, parts[1], group).chunk(
+            2, dim=-1)
+        x = x + matmul(F.silu(gate) * up, packed[j + per - 1], scales[j + per - 1], group)
         if i + 1 in taps:
             tapped.append(x)
     return x, tapped
@@ -132,16 +143,18 @@ def scripted_layers():
 
 
 def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-            kv, taps: tuple[int, ...], logit_rows: torch.Tensor) -> ModelOutput:
-    """model.Transformer.forward over every layer, in this module's ops."""
-    x = model.embed(ids)  # [B, T, C]
+            kv, taps: tuple[int, ...], logit_rows: torch.Tensor, real: torch.Tensor | None = None) -> ModelOutput:
+    """model.Transformer.forward over every layer, in this module's ops, on the rows `real` (default: all)."""
+    b, t = ids.shape
+    real = torch.arange(b * t) if real is None else real  # [N]
+    x = model.embed(ids.reshape(-1)[real])  # [N, C]
     cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
     bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
     first, gather = (kv.window.start, kv.slots) if kv.window is not None else (-1, kv.slots)
-    x, tapped = scripted_layers()(x, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, gather, kv.c,
+    x, tapped = scripted_layers()(x, real, b, t, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, gather, kv.c,
                                   weights.norms, weights.packed, weights.scales, weights.parts, weights.dims,
                                   weights.eps, list(taps))
-    after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [B, T, C] (`layers` returns them in layer order)
-    hidden = torch.cat([after[t] for t in taps], dim=-1) if taps else None  # [B, T, k*C]
-    x = x.reshape(-1, x.shape[-1])[logit_rows]  # [R, C]
+    after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [N, C] (`layers` returns them in layer order)
+    hidden = torch.cat([after[k] for k in taps], dim=-1) if taps else None  # [N, k*C]
+    x = x[logit_rows]  # [R, C]
     return ModelOutput(logits=model.lm_head(rms(x, model.norm.weight, model.norm.eps)), hidden=hidden)

@@ -93,6 +93,8 @@ class OneDnnEngine(DeviceEngine):
     absolute attention (see the module doc)."""
 
     exact_trees = False  # a tree's rows attend their ancestors at other columns than a chain's: chains are exact
+    padded_batches = False  # its linear layers run the real rows only (cpu_forward: packed rows)
+    chunks_apart = True  # but its attention runs [B, T]: a prompt chunk beside the trees would pad them all
 
     def __init__(self, model: Transformer, taps: tuple[int, ...] = (), blocks: dict[str, Blocks] | None = None,
                  row_floor: int | None = None) -> None:
@@ -127,21 +129,26 @@ class OneDnnEngine(DeviceEngine):
         write = torch.full((b, t), pool.scratch, dtype=torch.long)  # padding rows write the scratch position
         mask = torch.zeros(b, t, c, dtype=torch.bool)
         mask[:, :, 0] = True  # padding rows attend position 0 (their outputs are not read)
-        flat = []
+        real, flat, starts = [], [], []  # real rows (flat b * t + r), asked rows and each sequence's first, packed
         for i, ((cache, tokens, positions, m, rows), base) in enumerate(zip(entries, bases)):
             n = len(tokens)
             ids[i, :n], pos[i, :n] = torch.tensor(tokens), torch.tensor(positions)
             write[i, :n] = torch.arange(base, base + n)
             mask[i, :n, :base + n] = m
-            flat.extend(i * t + r for r in rows)
+            starts.append(len(real))
+            flat.extend(len(real) + r for r in rows)
+            real.extend(range(i * t, i * t + n))
+        real += sorted(set(range(b * t)) - set(real))[:max(self.row_floor - len(real), 0)]  # padding rows up to
+        # the row floor, after every real one
         asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
         kv = WindowKV(pool, slots, write, c)
-        out = cpu_forward.forward(self.model, self.weights, ids, pos, mask, kv, self.taps if hidden is not None else (), asked)
+        out = cpu_forward.forward(self.model, self.weights, ids, pos, mask, kv, self.taps if hidden is not None else (),
+                                  asked, torch.tensor(real))
         for i, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
             if hidden is not None:
-                hidden.append(out.hidden[i, :len(tokens)].float())  # [n, k*C]
+                hidden.append(out.hidden[starts[i]:starts[i] + len(tokens)].float())  # [n, k*C]
         logits = out.logits[:len(flat)].float()  # [R, V]
         return list(torch.split(logits, [len(e[4]) for e in entries]))
 
