@@ -142,3 +142,35 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, dtype, slo
     lean, model = out
     assert torch.equal(lean.logits, model.logits)
     assert torch.equal(lean.hidden, model.hidden.reshape(10, -1)[real])  # [N, k*C]
+
+
+def test_p_at_v_over_a_long_window_is_the_same_whatever_columns_follow():
+    """oneDNN's bf16 bmm sums a row over more than 1024 columns in an order that depends on how many there are:
+    masked (zero) columns added past 1024 change a row's P @ V. cpu_forward.attend sums in chunks of 1024: the same
+    bits with or without the extra columns, and a window of at most 1024 columns is the plain bmm."""
+    from spork_trt.engines.cpu_forward import PV_CHUNK, attend
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(1000, 3, 1001, generator=g) * 3, -1).to(torch.bfloat16)  # [N, M, 1001]
+    values = torch.randn(1000, 1152, 64, generator=g).to(torch.bfloat16)  # [N, C, D]
+    longer = torch.cat([probs, torch.zeros(1000, 3, 151, dtype=torch.bfloat16)], -1)  # 1152 columns, the last zero
+    short = torch.cat([probs, torch.zeros(1000, 3, 23, dtype=torch.bfloat16)], -1)  # 1024 columns
+    assert not torch.equal(torch.bmm(short, values[:, :1024]), torch.bmm(longer, values))  # so the test can fail
+    assert torch.equal(attend(short, values[:, :1024], PV_CHUNK), attend(longer, values, PV_CHUNK))
+    assert torch.equal(attend(short, values[:, :1024], PV_CHUNK), torch.bmm(short, values[:, :1024]))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_a_token_after_a_long_context_is_the_same_beside_a_longer_one(engines, dtype):
+    """A token after 900 tokens of context (a 960-column window alone) gives the same logits in a batch beside a
+    sequence of 1,400 (a 1,408-column window for both): the attention's columns past 1024 change nothing."""
+    engine = engines[dtype]
+    pool = engine.make_pool(2, 2048)
+    a, b = pool.caches
+    for cache, n, step in ((a, 900, 7), (b, 1400, 11)):
+        engine.forward_batch([chain_input(cache, [(step * i) % 30000 + 5 for i in range(n)], (n - 1,))])
+        cache.commit()
+    alone = engine.forward_batch([chain_input(a, [42], (0,))])[0]
+    a.forget(0)
+    beside = engine.forward_batch([chain_input(a, [42], (0,)), chain_input(b, [43], (0,))])[0]
+    assert torch.equal(alone, beside)

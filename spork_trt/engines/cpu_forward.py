@@ -32,6 +32,8 @@ from ..gguf_blocks import BLOCK
 from ..model import ModelOutput, Transformer, mask_bias
 from .cpu_linears import matmul
 
+PV_CHUNK = 1024  # columns a P @ V bmm sums at once (attend)
+
 
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """pos [B, T] -> cos, sin [B, 1, T, D], sin's first half negated: x * cos + roll(x, D/2) * sin is the model's
@@ -56,7 +58,7 @@ class LayerWeights:
     packed: list[torch.Tensor]  # per layer: the q/k/v projection's parts, wo, the gate/up parts, down
     scales: list[torch.Tensor]  # the same projections' int4 block scales, or empty (bf16: cpu_linears.matmul)
     parts: list[int]  # [q/k/v parts, gate/up parts]: 1 each when fused (cpu_linears.FUSED), else 3 and 2
-    dims: list[int]  # [H, Hkv, D, weights per int4 block] (TorchScript reads no globals)
+    dims: list[int]  # [H, Hkv, D, weights per int4 block, attend's chunk] (TorchScript reads no globals)
     eps: float
 
 
@@ -71,7 +73,7 @@ def layer_weights(model: Transformer) -> LayerWeights:
         linears += [*qkv, a.wo, *gate_up, m.down]
     a = model.layers[0].attn
     return LayerWeights(norms, [lin.packed for lin in linears], [lin.scales for lin in linears],
-                        [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK],
+                        [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK],
                         model.layers[0].attn_norm.eps)
 
 
@@ -81,6 +83,21 @@ def project(y: torch.Tensor, packed: List[torch.Tensor], scales: List[torch.Tens
     if n == 1:
         return matmul(y, packed[j], scales[j], group)
     return torch.cat([matmul(y, packed[j + p], scales[j + p], group) for p in range(n)], dim=-1)
+
+
+def attend(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tensor:
+    """probs [N, M, C] @ values [N, C, D] -> [N, M, D], summed over C in chunks of `chunk` columns (each chunk's
+    bf16 product, then their fp32 sum in order). oneDNN's bf16 bmm sums a row over C in an order that depends on C
+    once C passes 1024 (a row's P @ V changed when masked columns were added past 1024; up to 1024 it never did,
+    tests/test_onednn_engine.py), so a row's output would depend on the longest sequence beside it. In chunks of at
+    most 1024 it does not: a window of up to `chunk` columns is the one bmm it always was."""
+    c = probs.shape[2]
+    if c <= chunk:
+        return torch.bmm(probs, values)
+    out = torch.bmm(probs[:, :, :chunk], values[:, :chunk]).float()
+    for s in range(chunk, c, chunk):
+        out = out + torch.bmm(probs[:, :, s:s + chunk], values[:, s:s + chunk]).float()
+    return out.to(probs.dtype)
 
 
 def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -117,7 +134,7 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         q = qk[:, :h].reshape(b * hkv, g * t, d)
         scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
         probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
-        out = torch.bmm(probs.view(b * hkv, g * t, c), values)  # [B*Hkv, G*T, D]
+        out = attend(probs.view(b * hkv, g * t, c), values, dims[4])  # [B*Hkv, G*T, D]
         out = out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
