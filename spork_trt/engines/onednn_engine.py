@@ -13,7 +13,8 @@ lossless:
   the whole slot), and its columns are absolute positions: a layer writes its new K/V rows into the pool first
   (one index_put_), then attends positions [0, C). A chain token's softmax and P @ V terms then sit at the same
   columns whether it is computed alone or inside a chain, so they are summed in the same order (with bf16
-  rounding after the sum, another order changed the argmax within 16 tokens). A tree's rows sit elsewhere than the
+  rounding after the sum, another order changed the argmax within 16 tokens); past 1024 columns P @ V is summed in
+  chunks of 1024 (cpu_forward.attend: oneDNN's order there depends on C). A tree's rows sit elsewhere than the
   same tokens of a chain, so this engine verifies chains (`exact_trees` False), as a quantized ONNX target does.
 - oneDNN picks another kernel for a matmul of one row than for two or more (on an AVX512-BF16 EPYC, 1 row in 4 of
   the MLP's down projection differs in the last bit), so a forward with a bf16 layer runs at least `row_floor` rows
