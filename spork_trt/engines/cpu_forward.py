@@ -167,8 +167,8 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
     cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
     bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
-    first, gather = (kv.window.start, kv.slots) if kv.window is not None else (-1, kv.slots)
-    x, tapped = scripted_layers()(x, real, b, t, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, gather, kv.c,
+    first = kv.window.start if kv.window is not None else -1  # -1: gather kv.slots
+    x, tapped = scripted_layers()(x, real, b, t, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, kv.slots, kv.c,
                                   weights.norms, weights.packed, weights.scales, weights.parts, weights.dims,
                                   weights.eps, list(taps))
     after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [N, C] (`layers` returns them in layer order)

@@ -139,8 +139,8 @@ class OneDnnEngine(DeviceEngine):
             starts.append(len(real))
             flat.extend(len(real) + r for r in rows)
             real.extend(range(i * t, i * t + n))
-        real += sorted(set(range(b * t)) - set(real))[:max(self.row_floor - len(real), 0)]  # padding rows up to
-        # the row floor, after every real one
+        if len(real) < self.row_floor:  # padding rows up to the row floor, after every real one
+            real += sorted(set(range(b * t)) - set(real))[:self.row_floor - len(real)]
         asked = torch.tensor(flat + [0] * max(self.head_floor - len(flat), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
         kv = WindowKV(pool, slots, write, c)
