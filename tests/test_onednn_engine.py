@@ -114,6 +114,34 @@ def test_spork_on_the_cpu_torch_engine_is_lossless_alone_and_batched(dtype):
     assert [out[i].token_ids for i in range(len(ids))] == plain
 
 
+def test_a_forward_runs_its_sequences_in_slot_order_with_few_free_slots_between_as_padding():
+    assert onednn.window_members([4, 0, 2, 3]) == [1, None, 2, 3, 0]  # slots 0..4, slot 1 free: one window
+    assert onednn.window_members([3, 1, 2]) == [1, 2, 0]
+    assert onednn.window_members([5, 0]) == [1, 0]  # 4 free slots between 2 sequences: gathered instead
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+@pytest.mark.parametrize("slots", [[4, 0, 2, 3], [5, 0]])  # a window with a free slot in it; gathered
+def test_a_batch_in_any_slot_order_gives_each_sequence_its_own_logits_in_its_order(engines, dtype, slots):
+    engine = engines[dtype]
+    prompts = [[5 + 7 * i + j for j in range(9 + 5 * i)] for i in range(len(slots))]
+    nexts = [[11 + i, 23 + i] for i in range(len(slots))]
+    batched_pool = engine.make_pool(6, 64).caches
+    alone = []
+    for prompt, nxt in zip(prompts, nexts):  # each alone in slot 0 of its own pool: prefill, then one token
+        cache = engine.make_pool(1, 64).caches[0]
+        engine.forward_batch([chain_input(cache, prompt)])
+        cache.commit()
+        alone.append(engine.forward_batch([chain_input(cache, nxt)])[0])  # [2, V]
+    caches = [batched_pool[s] for s in slots]
+    for cache, prompt in zip(caches, prompts):
+        engine.forward_batch([chain_input(cache, prompt)])
+        cache.commit()
+    batched = engine.forward_batch([chain_input(c, nxt) for c, nxt in zip(caches, nexts)])
+    for got, want in zip(batched, alone):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])
 @pytest.mark.parametrize("slots", [[0, 1], [2, 0]])  # consecutive slots: a view of the pool; others: gathered
 @pytest.mark.parametrize("real", [list(range(10)), [0, 1, 2, 3, 4, 5, 6, 7, 8]])  # all rows; the last one padding
