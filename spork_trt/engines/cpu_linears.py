@@ -1,13 +1,14 @@
 """The CPU torch engine's weight kernels: nn.Linear replaced by a prepacked bf16 oneDNN matmul or, where the
-checkpoint stores the weight as 4-bit blocks (GGUF Q4_0 / Q4_1), by ATen's int4 CPU kernel over those blocks.
+checkpoint stores the weight as 4-bit blocks (GGUF Q4_0 / Q4_1), by a 4-bit kernel over those blocks.
 
   PackedLinear  w in bf16, reordered once into oneDNN's blocked layout (what inductor's freezing does). oneDNN takes
                 another kernel for one row than for two or more: callers run at least two rows (engines/onednn_engine.py).
-  Int4Linear    the checkpoint's own 4-bit codes, packed once for `_weight_int4pack_mm_for_cpu` (what torchao's int4
-                weight-only layout runs on a CPU), bf16 activations, fp32 accumulation: w = (q - 8) s + z per block
-                of 32, s = d, z = m + 8 d (Q4_1) or 0 (Q4_0), s and z rounded to bf16. It computes every row alone:
-                a row gives the same bits at any row count (tests/test_onednn_engine.py). It reads a quarter of
-                bf16's bytes, so it is faster up to about 8 rows and slower from 16 (docs/engines.md).
+  Int4Linear    the checkpoint's own 4-bit codes: w = d q + off per block of 32 with its fp16 d and off, bf16
+                activations, fp32 sums, on spork::int4_mm (engines/int4_kernel.cpp, AVX512-BF16: each block's codes
+                expanded once for all rows; 1.4x ATen's int4 kernel at one row, 1.7x at 16, 2.3x at 64 and more,
+                docs/engines.md) or, where that is not built, ATen's `_weight_int4pack_mm_for_cpu` (what torchao's
+                int4 weight-only layout runs on a CPU; s and z rounded to bf16). Both compute every row alone: a row
+                gives the same bits at any row count (tests/test_int4_kernel.py, tests/test_onednn_engine.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..gguf_blocks import BLOCK, INT4_KINDS, Blocks
 from ..model import MLP, Attention
+from . import int4_kernel
 
 PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
 NO_SCALES = torch.empty(0)  # a PackedLinear's `scales`: its weight is bf16
@@ -27,6 +29,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: i
     `group` weights. TorchScript-compatible: engines/cpu_forward.py runs it inside its scripted layers."""
     if scales.numel() == 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if scales.dtype == torch.float16:  # packed for spork::int4_mm (int4_kernel.py)
+        return torch.ops.spork.int4_mm(x, packed, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
 
@@ -55,12 +59,16 @@ class Int4Linear(nn.Module):
         super().__init__()
         assert blocks.kind in INT4_KINDS, blocks.kind
         self.out_features = blocks.codes.shape[0]
-        codes = torch.from_numpy(blocks.codes.astype(np.int32))  # [N, K] in 0..15
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        d = torch.from_numpy(blocks.d)  # [N, K/32]
-        z = torch.from_numpy(blocks.m) + 8 * d if blocks.m is not None else torch.zeros_like(d)
-        self.scales = torch.stack([d.t(), z.t()], -1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        self.weight_numel = codes.numel()
+        if int4_kernel.kernel() == "spork":  # w = d q + off exactly (Q4_0: q - 8 scaled by d)
+            off = blocks.m if blocks.m is not None else -8 * blocks.d
+            self.packed, self.scales = int4_kernel.pack(blocks.codes, blocks.d, off)
+        else:
+            codes = torch.from_numpy(blocks.codes.astype(np.int32))  # [N, K] in 0..15
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            d = torch.from_numpy(blocks.d)  # [N, K/32]
+            z = torch.from_numpy(blocks.m) + 8 * d if blocks.m is not None else torch.zeros_like(d)
+            self.scales = torch.stack([d.t(), z.t()], -1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        self.weight_numel = blocks.codes.size
         self.weight_bytes = self.packed.nbytes + self.scales.nbytes  # what a forward reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,155 @@
+// spork::int4_mm: x [M, K] bf16 @ a checkpoint's 4-bit blocks -> [M, N] bf16, on AVX512-BF16.
+//
+// Each output is computed by the same instructions whatever M, whichever thread and whichever row block holds its
+// row, so a row gives the same bits alone, in a chain or in a batch (row-invariant by construction):
+//
+//   y[m, n] = sum over blocks g, in order, of  d[g, n] * dot_g(m, n) + (off[g, n] - 128 d[g, n]) * xs[m, g]
+//   dot_g   = sum of x[m, k] (128 + q[n, k]) over the block's 32 k: 16 bf16 pairs accumulated by vdpbf16ps from 0,
+//             in pair order (128 + q is exact in bf16, and its bits are 0x4300 | q: two logic ops per 32 codes)
+//   xs      = the block's 32 x summed in fp32 (a fixed order)
+//
+// That is w = d q + off with the checkpoint's own fp16 d and off (Q4_1: off = m; Q4_0: off = -8 d), exactly; only
+// the fp32 rounding of the sums differs from any other order. A block's codes are expanded once per 128 columns
+// for all rows (ATen's int4 CPU kernel expands them again for every 4 rows).
+//
+//   packed   chunks of 4 tiles (64 columns), each whole: for chunk c, block g, tile t (16 columns), quad e (k = 32g
+//            + 4e .. + 3), column j, two bytes: q[., 4e] | q[., 4e + 2] << 4 and q[., 4e + 1] | q[., 4e + 3] << 4.
+//            A thread reads its chunks as one stream (the last chunk holds the N/16 % 4 tiles left, if any)
+//   scales   the same chunks: for chunk c, block g: d of its columns, then off, fp16
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;   // columns in a zmm of fp32
+constexpr int NT = 4;      // tiles a chunk holds (64 columns)
+constexpr int GROUP = 32;  // weights per block
+constexpr int PAIRS = GROUP / 2;
+
+// 32 bytes of quad e -> the bf16 pairs 2e and 2e + 1 (lane j: (128 + q[2p]) | (128 + q[2p + 1]) << 16)
+inline void expand(const uint8_t* p, __m512i* even, __m512i* odd) {
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  *even = _mm512_ternarylogic_epi32(words, low4, bias, 0xEA);  // (a & b) | c
+  *odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, bias, 0xEA);
+}
+
+// R rows x T tiles of one block (T independent sums per row in flight): acc = the pairs' dot products, then y = d acc + y; y = (off - 128 d) xs + y
+template <int R, int T>
+void rows(const uint16_t* x, int64_t K, const __m512i* w, const __m512* d, const __m512* off, const float* xs,
+          int64_t G, float* y, int64_t ystride) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int p = 0; p < PAIRS; ++p) {
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * p, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, (__m512bh)w[p * NT + t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_set1_ps(xs[r * G]);
+    for (int t = 0; t < T; ++t) {
+      float* yp = y + r * ystride + t * TILE;
+      const __m512 v = _mm512_fmadd_ps(d[t], acc[r][t], _mm512_loadu_ps(yp));
+      _mm512_storeu_ps(yp, _mm512_fmadd_ps(off[t], s, v));
+    }
+  }
+}
+
+using RowsFn = void (*)(const uint16_t*, int64_t, const __m512i*, const __m512*, const __m512*, const float*,
+                        int64_t, float*, int64_t);
+
+template <int R>
+RowsFn rows_for(int t) {
+  switch (t) {
+    case 4: return rows<R, 4>;
+    case 3: return rows<R, 3>;
+    case 2: return rows<R, 2>;
+    default: return rows<R, 1>;
+  }
+}
+
+RowsFn rows_fn(int r, int t) {
+  switch (r) {
+    case 4: return rows_for<4>(t);
+    case 3: return rows_for<3>(t);
+    case 2: return rows_for<2>(t);
+    default: return rows_for<1>(t);
+  }
+}
+
+// chunk c (tiles 4c .. 4c + nt - 1) for every row: y [M, nt * 16] fp32, then out (bf16, round to nearest even)
+void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const at::Half* scales,
+           const float* xs, int64_t c, int nt, float* y, at::BFloat16* out) {
+  const int64_t G = K / GROUP, ystride = nt * TILE;
+  const uint8_t* codes = packed + c * G * NT * GROUP / 2 * TILE;  // a block of a tile: 32 codes x 16 columns
+  const at::Half* sc = scales + c * G * 2 * NT * TILE;
+  alignas(64) __m512i w[PAIRS * NT];
+  std::fill(y, y + M * ystride, 0.f);
+  for (int64_t g = 0; g < G; ++g, codes += nt * GROUP / 2 * TILE, sc += 2 * nt * TILE) {
+    __m512 d[NT], off[NT];
+    for (int t = 0; t < nt; ++t) {
+      d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + t * TILE)));
+      off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(sc + (nt + t) * TILE))));
+      const uint8_t* src = codes + t * GROUP / 2 * TILE;
+      for (int e = 0; e < GROUP / 4; ++e) expand(src + e * 2 * TILE, &w[2 * e * NT + t], &w[(2 * e + 1) * NT + t]);
+    }
+    for (int64_t m = 0; m < M; m += 4) {  // register blocks of up to 4 rows x 4 tiles
+      const int r = static_cast<int>(std::min<int64_t>(4, M - m));
+      rows_fn(r, nt)(x + m * K + g * GROUP, K, w, d, off, xs + m * G + g, G, y + m * ystride, ystride);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int t = 0; t < nt; ++t) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(y + m * ystride + t * TILE));
+      std::memcpy(out + m * N + (c * NT + t) * TILE, &v, 32);
+    }
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_mm: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "int4_mm: packed must be [N, K/2] uint8");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, "int4_mm: scales must be [N, K/16] fp16");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = packed.size(0), G = K / GROUP;
+  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 2 == K && scales.size(0) == N && scales.size(1) == 2 * G,
+              "int4_mm: shapes do not match");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), "int4_mm: packed and scales must be contiguous");
+  at::Tensor out = at::empty({M, N}, xc.options());
+  if (M == 0) return out;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<float> xs(M * G);  // [M, G]: each row's block sums
+  for (int64_t i = 0; i < M * G; ++i) {
+    const __m512i h = _mm512_loadu_si512(xp + i * GROUP);  // 32 bf16 -> two halves of 16 fp32
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t tiles = N / TILE;
+  at::parallel_for(0, (tiles + NT - 1) / NT, 1, [&](int64_t b, int64_t e) {  // each thread its own run of chunks
+    std::vector<float> y(M * NT * TILE);
+    for (int64_t c = b; c < e; ++c)
+      chunk(xp, M, K, N, pk, sc, xs.data(), c, static_cast<int>(std::min<int64_t>(NT, tiles - c * NT)), y.data(), op);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(spork, m) { m.def("int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(spork, CPU, m) { m.impl("int4_mm", &int4_mm); }

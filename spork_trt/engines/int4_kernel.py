@@ -1,0 +1,89 @@
+"""spork::int4_mm, the CPU torch engine's own 4-bit matmul (int4_kernel.cpp): a checkpoint's Q4_0 / Q4_1 blocks
+against bf16 activations with AVX512-BF16 dot products, every row by the same instructions (row-invariant by
+construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
+a process asks (about a minute on 2 cores, then cached under ~/.cache/torch_extensions); `make setup` builds it.
+
+Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
+kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
+kernel's, so a deployment's plain and spork decoding both run whichever this machine has (`kernel()` says which).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("int4_kernel.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
+         "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
+TILE = 16  # columns per tile of the packed layout
+CHUNK = 64  # columns a thread computes at once: int4_kernel.cpp NT tiles
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def kernel() -> str:
+    """'spork' when spork::int4_mm is built and loaded in this process, else 'aten' (why, once, as a warning), with
+    the op's schema defined so that TorchScript still compiles engines/cpu_forward.py (it never calls it then)."""
+    built = build()
+    if not built:
+        lib = torch.library.Library("spork", "DEF")
+        lib.define(SCHEMA)
+        lib.impl("int4_mm", unavailable, "CPU")
+        PLACEHOLDER.append(lib)  # a Library's definitions last while it does
+    return "spork" if built else "aten"
+
+
+SCHEMA = "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor"  # as int4_kernel.cpp defines it
+PLACEHOLDER: list = []
+
+
+def unavailable(x, packed, scales):
+    raise RuntimeError("spork::int4_mm is not built in this process (int4_kernel.kernel() is 'aten')")
+
+
+def build() -> bool:
+    if os.environ.get("SPORK_INT4_KERNEL", "spork") == "aten" or not cpu_has_avx512_bf16():
+        return False
+    try:
+        import ninja  # the build tool torch's extension loader runs; on PATH when the venv is not activated
+        from torch.utils import cpp_extension
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        cpp_extension.load(name="spork_int4", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False,
+                           verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
+        warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
+                      RuntimeWarning)
+        return False
+    return True
+
+
+def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..15), d and off [N, K/32] (w = d q + off, the checkpoint's fp16 values) -> packed [N, K/2]
+    uint8 and scales [N, K/16] fp16, both in int4_kernel.cpp's order: chunks of CHUNK columns, block by block."""
+    n, k = codes.shape
+    if n % TILE or k % 32:
+        raise ValueError(f"spork::int4_mm needs N a multiple of {TILE} and K of 32, not [{n}, {k}]")
+    g = k // 32
+    quads = codes.astype(np.uint8).reshape(n // TILE, TILE, g, 8, 2, 2)  # [tile, j, g, e, s, h]: k = 32g + 4e + 2s + h
+    tiles = (quads[..., 0, :] | (quads[..., 1, :] << 4)).transpose(2, 0, 3, 1, 4)  # [g, tile, e, j, h]
+    scales = np.stack([d.T, off.T], axis=1).astype(np.float16).reshape(g, 2, n // TILE, TILE)  # [g, d|off, tile, j]
+    if not (np.array_equal(scales[:, 0].reshape(g, n).astype(np.float32), d.T)
+            and np.array_equal(scales[:, 1].reshape(g, n).astype(np.float32), off.T)):
+        raise ValueError("the blocks' scales are not fp16 values: spork::int4_mm would not compute their weights")
+    per = CHUNK // TILE
+    chunks = range(0, n // TILE, per)
+    packed = np.concatenate([tiles[:, c:c + per].ravel() for c in chunks])  # each chunk [g, its tiles, e, j, h]
+    sc = np.concatenate([scales[:, :, c:c + per].ravel() for c in chunks])  # each chunk [g, d|off, its tiles, j]
+    return torch.from_numpy(packed.reshape(n, k // 2)), torch.from_numpy(sc.reshape(n, k // 16))

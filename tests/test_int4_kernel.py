@@ -1,0 +1,71 @@
+"""spork::int4_mm (engines/int4_kernel.cpp): it computes w = d q + off of the blocks it was given (against a float64
+reference), and a row's output is the same bits at any row count, row position and thread count; the int4 engine
+runs it on the default checkpoint's own Q4_1 blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spork_trt.engines import int4_kernel
+
+if int4_kernel.kernel() != "spork":
+    pytest.skip("spork::int4_mm is not built here (no AVX512-BF16 or no compiler): ATen's kernel runs",
+                allow_module_level=True)
+
+
+def blocks(n: int, k: int, seed: int, q4_0: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random Q4 blocks: codes [N, K] 0..15, d and off [N, K/32] fp16 values (Q4_0: off = -8 d)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
+    off = -8 * d if q4_0 else rng.uniform(-0.4, 0.1, (n, k // 32)).astype(np.float16).astype(np.float32)
+    return codes, d, off
+
+
+def weights(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """[N, K] float64: w = d q + off per block of 32."""
+    return codes * np.repeat(d, 32, axis=1).astype(np.float64) + np.repeat(off, 32, axis=1)
+
+
+@pytest.mark.parametrize("q4_0", [False, True])
+@pytest.mark.parametrize("n, k", [(64, 64), (80, 96), (960, 576)])  # 80: a chunk of 4 tiles and one of 1
+def test_it_computes_the_blocks_weights(n, k, q4_0):
+    codes, d, off = blocks(n, k, seed=n + k, q4_0=q4_0)
+    packed, scales = int4_kernel.pack(codes, d, off)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = torch.ops.spork.int4_mm(x, packed, scales).double()
+    want = x.double() @ torch.from_numpy(weights(codes, d, off)).t()
+    assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()  # bf16 output rounding, fp32 sums
+
+
+def test_a_row_is_the_same_bits_at_any_row_count_position_and_thread_count():
+    codes, d, off = blocks(960, 576, seed=3, q4_0=False)
+    packed, scales = int4_kernel.pack(codes, d, off)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([torch.ops.spork.int4_mm(x[i:i + 1], packed, scales) for i in range(37)])
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in (2, 3, 5, 16, 37):  # every register-block tail, rows at every position in a block
+                for s in (0, 37 - m):
+                    assert torch.equal(torch.ops.spork.int4_mm(x[s:s + m], packed, scales), alone[s:s + m])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_pack_refuses_what_it_cannot_compute():
+    codes, d, off = blocks(64, 64, seed=0, q4_0=False)
+    with pytest.raises(ValueError, match="multiple"):
+        int4_kernel.pack(codes[:40], d[:40], off[:40])
+    with pytest.raises(ValueError, match="fp16"):
+        int4_kernel.pack(codes, d + 1e-9, off)
+
+
+def test_the_int4_engine_runs_it_on_the_checkpoints_blocks(default_checkpoint):
+    from spork_trt.engines.cpu_linears import Int4Linear
+    from spork_trt.engines.onednn_engine import cpu_target
+    engine = cpu_target(default_checkpoint, "int4")
+    int4 = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
+    assert int4 and all(m.scales.dtype == torch.float16 for m in int4)
