@@ -1,7 +1,13 @@
 """spork::int4_mm (engines/int4_kernel.cpp): it computes w = d q + off of the blocks it was given (against a float64
 reference), and a row's output is the same bits at any row count, row position and thread count; the int4 engine
-runs it on the default checkpoint's own Q4_1 blocks."""
+runs it on the default checkpoint's own Q4_1 blocks, and ATen's kernel where it is not built; a killed build's lock
+does not hang the next."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -69,3 +75,39 @@ def test_the_int4_engine_runs_it_on_the_checkpoints_blocks(default_checkpoint):
     engine = cpu_target(default_checkpoint, "int4")
     int4 = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
     assert int4 and all(m.scales.dtype == torch.float16 for m in int4)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    d = int4_kernel.build_directory()
+    lock = d / "lock"
+    lock.touch()
+    assert int4_kernel.build_directory() == d and lock.exists()  # a build running now: its lock stays
+    old = time.time() - int4_kernel.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        int4_kernel.build_directory()
+    assert not lock.exists()
+
+
+FALLBACK = """
+import torch
+from spork_trt.engines import cpu_forward, int4_kernel
+from spork_trt.engines.cpu_linears import Int4Linear
+from spork_trt.engines.onednn_engine import cpu_target
+from spork_trt.engines import chain_input
+from spork_trt.weights import load_checkpoint
+assert int4_kernel.kernel() == "aten"
+engine = cpu_target(load_checkpoint(), "int4")
+assert all(m.scales.dtype == torch.bfloat16 for m in engine.model.modules() if isinstance(m, Int4Linear))
+cache = engine.make_pool(1, 64).caches[0]
+logits = engine.forward_batch([chain_input(cache, [1, 2, 3, 4])])[0]
+assert isinstance(cpu_forward.scripted_layers(), torch.jit.ScriptFunction) and torch.isfinite(logits).all()
+print("ok")
+"""
+
+
+def test_where_it_is_not_built_the_engine_runs_atens_kernel_and_still_scripts_its_layers():
+    env = {**os.environ, "SPORK_INT4_KERNEL": "aten"}
+    out = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -1,7 +1,8 @@
 """spork::int4_mm, the CPU torch engine's own 4-bit matmul (int4_kernel.cpp): a checkpoint's Q4_0 / Q4_1 blocks
 against bf16 activations with AVX512-BF16 dot products, every row by the same instructions (row-invariant by
 construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
-a process asks (about a minute on 2 cores, then cached under ~/.cache/torch_extensions); `make setup` builds it.
+a process asks (about 10 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
+`make setup` builds it.
 
 Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -60,13 +62,31 @@ def build() -> bool:
         from torch.utils import cpp_extension
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
         cpp_extension.load(name="spork_int4", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False,
-                           verbose=False)
+                           build_directory=str(build_directory()), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
         warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
                       RuntimeWarning)
         return False
     return True
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached (per torch version), with a lock left by a build that was killed
+    (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    d = root / f"spork_int4-torch{torch.__version__}"
+    d.mkdir(parents=True, exist_ok=True)
+    lock = d / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            warnings.warn(f"removed a stale build lock {lock} (a build was killed)", RuntimeWarning)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return d
+
+
+STALE_LOCK_S = 600  # a build takes ~10 s on 2 cores
 
 
 def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
