@@ -60,7 +60,9 @@ def test_help_has_examples():
 
 @pytest.mark.slow
 def test_json_output_and_streamed_text_agree():
-    r = run("generate", "What is the capital of France?", "--max-new-tokens", "12", "--json", "--mode", "plain")
+    # Japan: every token of the greedy answer leads by about 1.0 logit or more on fp32 and on both int4 kernels; France's
+    # first token ("The" against "L") was 0.003 apart on the int4 kernel (9d33601), a coin toss for a sanity check
+    r = run("generate", "What is the capital of Japan?", "--max-new-tokens", "12", "--json", "--mode", "plain")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "stats"}
@@ -68,9 +70,9 @@ def test_json_output_and_streamed_text_agree():
     for key in ("steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
                 "tokens_per_second", "time_s"):
         assert key in st
-    assert "Paris" in out["text"]
+    assert "Tokyo" in out["text"]
     assert st["steps"] == len(out["token_ids"]) and st["draft_tokens"] == 0 and st["tokens_per_second"] > 0
-    streamed = run("generate", "What is the capital of France?", "--max-new-tokens", "12")  # spork by default
+    streamed = run("generate", "What is the capital of Japan?", "--max-new-tokens", "12")  # spork by default
     assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n"  # lossless: the same text
     assert streamed.stderr.startswith("[spork/torch") and f"] {len(out['token_ids'])} tokens in " in streamed.stderr
     assert "no build in engines/default: the checkpoint on a torch engine" in streamed.stderr
@@ -82,11 +84,11 @@ def test_generate_runs_the_default_build_when_there_is_one(default_engines, tmp_
     """Without --engines or --model, `generate` runs engines/default when it holds a build, and says so."""
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "default").symlink_to(default_engines)
-    r = run("generate", "What is the capital of France?", "--max-new-tokens", "12", cwd=tmp_path)
+    r = run("generate", "What is the capital of Japan?", "--max-new-tokens", "12", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith(("[spork/onnx", "[spork/torch-cpu-int4"))  # the build's default target
     assert "[generate] the build in engines/default" in r.stderr
-    assert "Paris" in r.stdout
+    assert "Tokyo" in r.stdout
 
 
 @pytest.mark.slow

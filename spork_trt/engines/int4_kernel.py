@@ -11,6 +11,7 @@ kernel's, so a deployment's plain and spork decoding both run whichever this mac
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 import warnings
@@ -71,10 +72,12 @@ def build() -> bool:
 
 
 def build_directory() -> Path:
-    """Where the kernel is built and cached (per torch version), with a lock left by a build that was killed
-    (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
+    """Where the kernel is built and cached: one folder per source file, torch version and flags (two checkouts
+    sharing one rebuilt it for each other, replacing the library another process was loading), with a lock left by
+    a build that was killed (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    d = root / f"spork_int4-torch{torch.__version__}"
+    key = hashlib.sha256(f"{SOURCE.resolve()}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+    d = root / f"spork_int4-{key}"
     d.mkdir(parents=True, exist_ok=True)
     lock = d / "lock"
     try:
