@@ -60,8 +60,8 @@ def test_help_has_examples():
 
 @pytest.mark.slow
 def test_json_output_and_streamed_text_agree():
-    # Japan: every token of the greedy answer leads by about 1.0 logit or more on fp32 and on both int4 kernels; France's
-    # first token ("The" against "L") was 0.003 apart on the int4 kernel (9d33601), a coin toss for a sanity check
+    # Japan: every token of the greedy answer leads by about 1.0 logit or more on fp32 and on both int4 kernels;
+    # France's first token ("The" against "L") was 0.003 apart on the int4 kernel (9d33601): a coin toss
     r = run("generate", "What is the capital of Japan?", "--max-new-tokens", "12", "--json", "--mode", "plain")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

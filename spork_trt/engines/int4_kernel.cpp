@@ -41,7 +41,8 @@ inline void expand(const uint8_t* p, __m512i* even, __m512i* odd) {
   *odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, bias, 0xEA);
 }
 
-// R rows x T tiles of one block (T independent sums per row in flight): acc = the pairs' dot products, then y = d acc + y; y = (off - 128 d) xs + y
+// R rows x T tiles of one block (T independent sums per row in flight): acc = the pairs' dot products, then
+// y = d acc + y; y = (off - 128 d) xs + y
 template <int R, int T>
 void rows(const uint16_t* x, int64_t K, const __m512i* w, const __m512* d, const __m512* off, const float* xs,
           int64_t G, float* y, int64_t ystride) {
@@ -123,7 +124,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, "int4_mm: scales must be [N, K/16] fp16");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = packed.size(0), G = K / GROUP;
-  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 2 == K && scales.size(0) == N && scales.size(1) == 2 * G,
+  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 2 == K && scales.size(0) == N &&
+                  scales.size(1) == 2 * G,
               "int4_mm: shapes do not match");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), "int4_mm: packed and scales must be contiguous");
   at::Tensor out = at::empty({M, N}, xc.options());

@@ -1,8 +1,8 @@
 """The reference model in bf16 on a CPU (`--device cpu --dtype bf16 | int4`): its matmuls on oneDNN's prepacked
 bf16 kernels, or (int4) on a 4-bit kernel over the checkpoint's own 4-bit blocks with the rest in bf16
-(engines/cpu_linears.py, engines/int4_kernel.cpp): the levers that flatten the forward's cost curve on a CPU with bf16 dot products
-(AVX512-BF16, AMX) and cut the bytes it reads, measured in docs/engines.md. No torch.compile: that took 35-70 s per
-shape on 2 cores and was not cached across processes.
+(engines/cpu_linears.py, engines/int4_kernel.cpp): the levers that flatten the forward's cost curve on a CPU with
+bf16 dot products (AVX512-BF16, AMX) and cut the bytes it reads, measured in docs/engines.md. No torch.compile: that
+took 35-70 s per shape on 2 cores and was not cached across processes.
 
 It runs over the device engine's pools and slots, its layers in TorchScript (engines/cpu_forward.py: eager ATen ops
 without Python between them), only the slots of the sequences in a forward (B = their
