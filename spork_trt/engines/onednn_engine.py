@@ -149,7 +149,8 @@ class OneDnnEngine(DeviceEngine):
         asked = [r for e in range(len(entries)) for r in flat[e]]  # in the entries' order
         rows = torch.tensor(asked + [0] * max(self.head_floor - len(asked), 0), dtype=torch.long)  # the LM head's
         # rows: the asked-for ones, at least head_floor of them
-        kv = WindowKV(pool, [slots[e] if e is not None else min(slots) + i for i, e in enumerate(members)], write, c)
+        first = min(slots)  # a free slot in the window sits at first + its place
+        kv = WindowKV(pool, [slots[e] if e is not None else first + i for i, e in enumerate(members)], write, c)
         out = cpu_forward.forward(self.model, self.weights, ids, pos, mask, kv, self.taps if hidden is not None else (),
                                   rows, torch.tensor(real))
         for e, (cache, tokens, *_) in enumerate(entries):
