@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -61,6 +62,7 @@ class LayerWeights:
     parts: list[int]  # [q/k/v parts, gate/up parts]: 1 each when fused (cpu_linears.FUSED), else 3 and 2
     dims: list[int]  # [H, Hkv, D, weights per int4 block, attend's chunk] (TorchScript reads no globals)
     eps: float
+    fused: bool  # attention by spork::attend (fused_attention)
 
 
 def layer_weights(model: Transformer) -> LayerWeights:
@@ -75,7 +77,14 @@ def layer_weights(model: Transformer) -> LayerWeights:
     a = model.layers[0].attn
     return LayerWeights(norms, [lin.packed for lin in linears], [lin.scales for lin in linears],
                         [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK],
-                        model.layers[0].attn_norm.eps)
+                        model.layers[0].attn_norm.eps, fused_attention(a.head_dim))
+
+
+def fused_attention(head_dim: int) -> bool:
+    """Whether the layers attend by spork::attend: where spork's CPU kernels are built (int4_kernel.kernel()), for
+    an even head size up to 128, unless SPORK_ATTENTION=bmm (the bmm path: other arithmetic, so other tokens)."""
+    return (os.environ.get("SPORK_ATTENTION", "spork") != "bmm" and head_dim % 2 == 0 and head_dim <= 128
+            and int4_kernel.kernel() == "spork")
 
 
 def project(y: torch.Tensor, packed: List[torch.Tensor], scales: List[torch.Tensor], j: int, n: int,
@@ -102,17 +111,18 @@ def attend(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tenso
 
 
 def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tensor, sin: torch.Tensor,
-           bias: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, at: List[Optional[torch.Tensor]],
-           first: int, gather: torch.Tensor, c: int, norms: List[torch.Tensor], packed: List[torch.Tensor],
-           scales: List[torch.Tensor], parts: List[int], dims: List[int], eps: float,
-           taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+           mask: torch.Tensor, bias: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+           at: List[Optional[torch.Tensor]], first: int, gather: torch.Tensor, c: int, fused: bool,
+           norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor], parts: List[int],
+           dims: List[int], eps: float, taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """x [N, C], the rows `real` of a [B, T] forward, through every layer (model.Block's arithmetic). Each layer
     writes its new K/V rows into the pool [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv, T]), then
-    attends positions [0, c) of the sequences' slots: slots first .. first+B-1 (a view), or `gather`'s when
-    first < 0 (a copy). Returns x and the hidden states [N, C] after each layer in `taps`."""
+    attends the columns `mask` [B, T, c] gives each row of the sequences' slots (`gather` [B]): with `fused`, by
+    spork::attend reading the pool in place (engines/attention_kernel.cpp); else by bmms over a copy of positions
+    [0, c), slots first .. first+B-1 (a window) or gathered when first < 0, and `bias` (mask's -inf). Returns x
+    and the hidden states [N, C] after each layer in `taps`."""
     padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, hkv, d, group = dims[0], dims[1], dims[2], dims[3]
-    g = h // hkv
     per = parts[0] + parts[1] + 2  # projections a layer has
     tapped: List[torch.Tensor] = []
     for i in range(len(norms) // 2):
@@ -127,18 +137,10 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         layer_k, layer_v = pool_k[i], pool_v[i]  # [slots, Hkv, S, D]
         layer_k.index_put_(at, qk[:, h:].to(layer_k.dtype))
         layer_v.index_put_(at, v.to(layer_v.dtype))
-        if first >= 0:
-            # [B, Hkv, C, D]; the keys copied once (a bmm against the transpose of a strided window copies it
-            # element by element: 16 x 656 tokens 690 us against 150; the same bits), the values read as they lie
-            keys, values = layer_k[first:first + b, :, :c].contiguous(), layer_v[first:first + b, :, :c]
+        if fused:
+            out = torch.ops.spork.attend(qk.contiguous(), h, layer_k, layer_v, gather, mask)  # [B*T, H*D]
         else:
-            keys, values = layer_k[:, :, :c].index_select(0, gather), layer_v[:, :, :c].index_select(0, gather)
-        keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)
-        q = qk[:, :h].reshape(b * hkv, g * t, d)
-        scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
-        probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
-        out = attend(probs.view(b * hkv, g * t, c), values, dims[4])  # [B*Hkv, G*T, D]
-        out = out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
+            out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
         x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group)
@@ -148,6 +150,27 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         if i + 1 in taps:
             tapped.append(x)
     return x, tapped
+
+
+def window_attention(qk: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, first: int,
+                     gather: torch.Tensor, c: int, bias: torch.Tensor, dims: List[int]) -> torch.Tensor:
+    """qk [B, H+Hkv, T, D] (rotated) over a copy of the pool's positions [0, c) -> out [B*T, H*D], by bmms in bf16
+    (where spork::attend is not built)."""
+    b, t = qk.shape[0], qk.shape[2]
+    h, hkv, d = dims[0], dims[1], dims[2]
+    g = h // hkv
+    if first >= 0:
+        # [B, Hkv, C, D]; the keys copied once (a bmm against the transpose of a strided window copies it element
+        # by element: 16 x 656 tokens 690 us against 150; the same bits), the values read as they lie
+        keys, values = layer_k[first:first + b, :, :c].contiguous(), layer_v[first:first + b, :, :c]
+    else:
+        keys, values = layer_k[:, :, :c].index_select(0, gather), layer_v[:, :, :c].index_select(0, gather)
+    keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)
+    q = qk[:, :h].reshape(b * hkv, g * t, d)
+    scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
+    probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
+    out = attend(probs.view(b * hkv, g * t, c), values, dims[4])  # [B*Hkv, G*T, D]
+    return out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
 
 
 @functools.cache
@@ -172,9 +195,9 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
     bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
     first = kv.window.start if kv.window is not None else -1  # -1: gather kv.slots
-    x, tapped = scripted_layers()(x, real, b, t, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first, kv.slots, kv.c,
-                                  weights.norms, weights.packed, weights.scales, weights.parts, weights.dims,
-                                  weights.eps, list(taps))
+    x, tapped = scripted_layers()(x, real, b, t, cos, sin, mask.contiguous(), bias, kv.pool.k, kv.pool.v,
+                                  list(kv.at), first, kv.slots, kv.c, weights.fused, weights.norms, weights.packed,
+                                  weights.scales, weights.parts, weights.dims, weights.eps, list(taps))
     after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [N, C] (`layers` returns them in layer order)
     hidden = torch.cat([after[k] for k in taps], dim=-1) if taps else None  # [N, k*C]
     x = x[logit_rows]  # [R, C]

@@ -1,8 +1,9 @@
 """spork::int4_mm, the CPU torch engine's own 4-bit matmul (int4_kernel.cpp): a checkpoint's Q4_0 / Q4_1 blocks
 against bf16 activations with AVX512-BF16 dot products, every row by the same instructions (row-invariant by
 construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
-a process asks (about 10 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
-`make setup` builds it.
+a process asks (about 20 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
+`make setup` builds it. The same library holds spork::attend (attention_kernel.cpp), which the engine's layers use
+wherever it is built (cpu_forward.fused_attention).
 
 Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("attention_kernel.cpp")]  # one library: spork::int4_mm, spork::attend
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
          "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
 TILE = 16  # columns per tile of the packed layout
@@ -41,18 +43,20 @@ def kernel() -> str:
     built = build()
     if not built:
         lib = torch.library.Library("spork", "DEF")
-        lib.define(SCHEMA)
-        lib.impl("int4_mm", unavailable, "CPU")
+        for name, schema in SCHEMAS.items():
+            lib.define(schema)
+            lib.impl(name, unavailable, "CPU")
         PLACEHOLDER.append(lib)  # a Library's definitions last while it does
     return "spork" if built else "aten"
 
 
-SCHEMA = "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor"  # as int4_kernel.cpp defines it
+SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",  # as the sources define them
+           "attend": "attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor"}
 PLACEHOLDER: list = []
 
 
-def unavailable(x, packed, scales):
-    raise RuntimeError("spork::int4_mm is not built in this process (int4_kernel.kernel() is 'aten')")
+def unavailable(*args):
+    raise RuntimeError("spork's CPU kernels are not built in this process (int4_kernel.kernel() is 'aten')")
 
 
 def build() -> bool:
@@ -62,7 +66,7 @@ def build() -> bool:
         import ninja  # the build tool torch's extension loader runs; on PATH when the venv is not activated
         from torch.utils import cpp_extension
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        cpp_extension.load(name="spork_int4", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name="spork_int4", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build_directory()), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
         warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
@@ -76,7 +80,7 @@ def build_directory() -> Path:
     sharing one rebuilt it for each other, replacing the library another process was loading), with a lock left by
     a build that was killed (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    key = hashlib.sha256(f"{SOURCE.resolve()}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{'|'.join(str(p.resolve()) for p in SOURCES)}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
     d = root / f"spork_int4-{key}"
     d.mkdir(parents=True, exist_ok=True)
     lock = d / "lock"

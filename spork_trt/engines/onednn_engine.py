@@ -11,7 +11,9 @@ lossless:
 
 - The forward attends only the positions its sequences reach, rounded up to CTX_ROUND (the device engine attends
   the whole slot), and its columns are absolute positions: a layer writes its new K/V rows into the pool first
-  (one index_put_), then attends positions [0, C). A chain token's softmax and P @ V terms then sit at the same
+  (one index_put_), then attends positions [0, C). Where spork's CPU kernels are built, spork::attend reads the
+  pool in place and sums only the attended columns, in order (engines/attention_kernel.cpp: row-, batch- and
+  window-invariant by construction); else bmms over a copy of the window, as follows. A chain token's softmax and P @ V terms then sit at the same
   columns whether it is computed alone or inside a chain, so they are summed in the same order (with bf16
   rounding after the sum, another order changed the argmax within 16 tokens); past 1024 columns P @ V is summed in
   chunks of 1024 (cpu_forward.attend: oneDNN's order there depends on C). A tree's rows sit elsewhere than the

@@ -1,0 +1,356 @@
+// spork::attend: the CPU torch engine's attention, read from the K/V pool in place, on AVX512-BF16.
+//
+// Each output row is computed by the same instructions whatever the batch, the number of rows, the thread and the
+// row's place among them, and its sums take only the columns it attends, in column order, so the same row attending
+// the same keys gives the same bits wherever those keys sit in its slot (a tree's rows attend their ancestors at
+// other columns than a chain's) and however wide the forward's window is:
+//
+//   s[j]   = q . k[j] / sqrt(D): the D/2 bf16 pairs accumulated by vdpbf16ps into 4 partial sums (pair i into sum
+//            i % 4, in pair order, then (s0 + s1) + (s2 + s3)), fp32; for 16 keys at once (keys transposed to pair
+//            rows in registers: data movement only)
+//   m      = the max of s over the attended columns (exact in any order)
+//   e[j]   = exp(s[j] - m) (a fixed polynomial, lane by lane), 0 where the row does not attend j
+//   out    = (sum over attended j, in order, of e[j] v[j]: fp32 fmas) / (sum over attended j, in order, of e[j])
+//
+//   qk     [B, H + Hkv, T, D] bf16 (rotated queries in heads 0..H-1); pool_k, pool_v [slots, Hkv, S, D] bf16 (a
+//          layer's pool); slots [B] int64 (each sequence's slot); mask [B, T, C] bool (the columns each row attends,
+//          C <= S) -> out [B * T, H * D] bf16
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;  // fp32 lanes of a zmm: keys scored at once
+constexpr int ROWS = 16;   // query rows of one sequence and KV head that one work item computes
+constexpr int MAX_D = 128;
+
+// exp(x) for x <= 0: 2^n p(r) with x = n ln2 + r (Cephes' expf polynomial); every lane the same instructions
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[i] (16 dwords each) -> r[i] holds dword i of every input, in input order (a 16 x 16 transpose)
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// acc + the 16 keys' pair (kt: one pair of each) . the query's pair qw, by vdpbf16ps
+inline __m512 dot_pair(__m512 acc, const float* kt, uint32_t qw) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(_mm512_load_ps(kt)),
+                          (__m512bh)_mm512_set1_epi32(static_cast<int>(qw)));
+}
+
+// 1 + the last column row mask m [c] attends (0: none), scanning 64 columns at a time from the end
+inline int64_t attended_end(const uint8_t* m, int64_t c) {
+  for (int64_t e = c; e > 0;) {
+    const int64_t s = std::max<int64_t>(0, e - 64);
+    const __mmask64 in = _mm512_test_epi8_mask(
+        _mm512_maskz_loadu_epi8(e - s == 64 ? ~0ULL : (1ULL << (e - s)) - 1, m + s), _mm512_set1_epi8(1));
+    if (in) return s + 64 - __builtin_clzll(in);
+    e = s;
+  }
+  return 0;
+}
+
+// Scores of `n` rows (query pointers q[r], as bf16 pairs) against keys [0, hi) of one slot and head: sc[r][j]
+void score(const uint32_t* const* q, int n, const uint16_t* keys, int64_t hi, int64_t s_len, int64_t w, float scale,
+           float* sc, int64_t stride) {
+  alignas(64) float kt[MAX_D / 2][LANES];  // the group's keys as pair rows: kt[i][l] = pair i of key j0 + l
+  for (int64_t j0 = 0; j0 < hi; j0 += LANES) {
+    const int64_t nk = std::min<int64_t>(LANES, s_len - j0);  // keys the pool holds past j0
+    for (int64_t l = 0; l < LANES * 2 * w; l += 32)  // the group after next, into cache (a stream from memory
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (j0 + 4 * LANES) * 2 * w + l), _MM_HINT_T0);  // waits else)
+    for (int64_t c0 = 0; c0 < w; c0 += LANES) {
+      const __mmask16 cm = static_cast<__mmask16>((1u << std::min<int64_t>(LANES, w - c0)) - 1);
+      __m512 rows[LANES];
+      for (int l = 0; l < LANES; ++l)
+        rows[l] = l < nk ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
+                               cm, reinterpret_cast<const uint32_t*>(keys + (j0 + l) * 2 * w) + c0))
+                         : _mm512_setzero_ps();
+      transpose16(rows);
+      for (int64_t i = c0; i < std::min<int64_t>(c0 + LANES, w); ++i) _mm512_store_ps(kt[i], rows[i - c0]);
+    }
+    for (int r = 0; r < n; ++r) {  // pair i into partial sum i % 4, in registers (an array spilled to the stack)
+      const uint32_t* qr = q[r];
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 4 <= w; i += 4) {
+        a0 = dot_pair(a0, kt[i], qr[i]);
+        a1 = dot_pair(a1, kt[i + 1], qr[i + 1]);
+        a2 = dot_pair(a2, kt[i + 2], qr[i + 2]);
+        a3 = dot_pair(a3, kt[i + 3], qr[i + 3]);
+      }
+      if (i < w) a0 = dot_pair(a0, kt[i], qr[i]);
+      if (i + 1 < w) a1 = dot_pair(a1, kt[i + 1], qr[i + 1]);
+      if (i + 2 < w) a2 = dot_pair(a2, kt[i + 2], qr[i + 2]);
+      const __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+      _mm512_storeu_ps(sc + r * stride + j0, _mm512_mul_ps(dot, _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// sc[j] (scores) -> e[j] = exp(sc[j] - max) where m[j], else 0, over [0, hi)
+void softmax_terms(float* sc, const uint8_t* m, int64_t hi) {
+  const float inf = std::numeric_limits<float>::infinity();
+  __m512 mx = _mm512_set1_ps(-inf);
+  for (int64_t j0 = 0; j0 < hi; j0 += LANES) {
+    const __mmask16 in = _mm_test_epi8_mask(
+        _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << std::min<int64_t>(LANES, hi - j0)) - 1), m + j0),
+        _mm_set1_epi8(1));
+    mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(sc + j0));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t j0 = 0; j0 < hi; j0 += LANES) {
+    const __mmask16 in = _mm_test_epi8_mask(
+        _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << std::min<int64_t>(LANES, hi - j0)) - 1), m + j0),
+        _mm_set1_epi8(1));
+    _mm512_storeu_ps(sc + j0, _mm512_maskz_mov_ps(in, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), top))));
+  }
+}
+
+// out[r] = (sum over j < top of e[r][j] v[j], in order) / (sum of e[r][j], in order) for RS rows: fp32 fmas, NV
+// zmm per row (e is zero past each row's columns: a zero term leaves both sums as they were)
+template <int NV, int RS>
+void weigh_block(const float* e, int64_t stride, int64_t top, const uint16_t* values, int64_t d,
+                 uint16_t* const* out) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (d - (NV - 1) * LANES)) - 1);
+  __m512 acc[RS][NV];
+  float sums[RS];
+#pragma GCC unroll 8
+  for (int r = 0; r < RS; ++r) {
+    sums[r] = 0.0f;
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < top; ++j) {
+    for (int64_t l = 0; l < d; l += 32) _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
+    __m512 v[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(c + 1 < NV ? 0xFFFF : tail, values + j * d + c * LANES);
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RS; ++r) {
+      const float p = e[r * stride + j];
+      sums[r] += p;
+      const __m512 pv = _mm512_set1_ps(p);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pv, v[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RS; ++r) {
+    const __m512 total = _mm512_set1_ps(sums[r]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c)
+      _mm256_mask_storeu_epi16(out[r] + c * LANES, c + 1 < NV ? 0xFFFF : tail,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(acc[r][c], total)));
+  }
+}
+
+// weigh_block over n rows, at most RMAX at once (the accumulators stay in registers)
+template <int NV>
+void weigh(const float* e, int64_t stride, int64_t top, int n, const uint16_t* values, int64_t d,
+           uint16_t* const* out) {
+  constexpr int RMAX = NV <= 2 ? 8 : (NV <= 4 ? 4 : 2);
+  for (int r0 = 0; r0 < n; r0 += RMAX) {
+    const float* er = e + r0 * stride;
+    switch (std::min(RMAX, n - r0)) {
+      case 1: weigh_block<NV, 1>(er, stride, top, values, d, out + r0); break;
+      case 2: weigh_block<NV, 2>(er, stride, top, values, d, out + r0); break;
+      case 3: weigh_block<NV, (RMAX >= 3 ? 3 : 1)>(er, stride, top, values, d, out + r0); break;
+      case 4: weigh_block<NV, (RMAX >= 4 ? 4 : 1)>(er, stride, top, values, d, out + r0); break;
+      case 5: weigh_block<NV, (RMAX >= 5 ? 5 : 1)>(er, stride, top, values, d, out + r0); break;
+      case 6: weigh_block<NV, (RMAX >= 6 ? 6 : 1)>(er, stride, top, values, d, out + r0); break;
+      case 7: weigh_block<NV, (RMAX >= 7 ? 7 : 1)>(er, stride, top, values, d, out + r0); break;
+      default: weigh_block<NV, RMAX>(er, stride, top, values, d, out + r0); break;
+    }
+  }
+}
+
+// weigh's arithmetic with the rows in lanes, for n > 8 rows (prefill): each v[j][d] read once as an fp32 broadcast
+// for 16 rows (weigh reads it per row); the same fmas and sums, in the same order, so the same bits. kt, vt: scratch
+// of top x 16 and top x 16 * NV floats
+template <int NV>
+void weigh_lanes(const float* e, int64_t stride, int64_t top, int n, const uint16_t* values, int64_t d,
+                 uint16_t* const* out, float* pt, float* vt) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (d - (NV - 1) * LANES)) - 1);
+  for (int64_t j0 = 0; j0 < top; j0 += LANES) {  // pt[j] = the 16 rows' e[., j]; vt[j] = v[j] in fp32
+    __m512 block[LANES];
+    for (int r = 0; r < LANES; ++r) block[r] = _mm512_loadu_ps(e + r * stride + j0);
+    transpose16(block);
+    for (int l = 0; l < LANES && j0 + l < top; ++l) _mm512_store_ps(pt + (j0 + l) * LANES, block[l]);
+  }
+  for (int64_t j = 0; j < top; ++j) {
+    for (int64_t l = 0; l < d; l += 32) _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
+    for (int c = 0; c < NV; ++c) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(c + 1 < NV ? 0xFFFF : tail, values + j * d + c * LANES);
+      _mm512_store_ps(vt + (j * NV + c) * LANES, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    }
+  }
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < top; ++j) sums = _mm512_add_ps(sums, _mm512_load_ps(pt + j * LANES));
+  for (int c = 0; c < NV; ++c) {
+    __m512 acc[LANES];  // acc[i]: d = 16 c + i of the 16 rows
+    for (int i = 0; i < LANES; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < top; ++j) {
+      const __m512 p = _mm512_load_ps(pt + j * LANES);
+      const float* v = vt + (j * NV + c) * LANES;
+#pragma GCC unroll 16
+      for (int i = 0; i < LANES; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(v[i]), acc[i]);
+    }
+    transpose16(acc);  // acc[r]: row r's 16 values
+    alignas(64) float total[LANES];
+    _mm512_store_ps(total, sums);
+    for (int r = 0; r < n; ++r)
+      _mm256_mask_storeu_epi16(out[r] + c * LANES, c + 1 < NV ? 0xFFFF : tail,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(acc[r], _mm512_set1_ps(total[r]))));
+  }
+}
+
+using Weigh = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*);
+
+Weigh weigher(int64_t d) {
+  switch ((d + LANES - 1) / LANES) {
+    case 1: return weigh<1>;
+    case 2: return weigh<2>;
+    case 3: return weigh<3>;
+    case 4: return weigh<4>;
+    case 5: return weigh<5>;
+    case 6: return weigh<6>;
+    case 7: return weigh<7>;
+    default: return weigh<8>;
+  }
+}
+
+using WeighLanes = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*, float*,
+                            float*);
+
+WeighLanes lane_weigher(int64_t d) {
+  switch ((d + LANES - 1) / LANES) {
+    case 1: return weigh_lanes<1>;
+    case 2: return weigh_lanes<2>;
+    case 3: return weigh_lanes<3>;
+    case 4: return weigh_lanes<4>;
+    case 5: return weigh_lanes<5>;
+    case 6: return weigh_lanes<6>;
+    case 7: return weigh_lanes<7>;
+    default: return weigh_lanes<8>;
+  }
+}
+
+at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k, const at::Tensor& pool_v,
+                  const at::Tensor& slots, const at::Tensor& mask) {
+  TORCH_CHECK(qk.dim() == 4 && pool_k.dim() == 4 && mask.dim() == 3, "spork::attend: qk [B, H + Hkv, T, D], pools "
+              "[slots, Hkv, S, D], mask [B, T, C]");
+  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && pool_k.scalar_type() == at::kBFloat16 &&
+              pool_v.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kBool &&
+              slots.scalar_type() == at::kLong, "spork::attend: bf16 qk and pools, bool mask, int64 slots");
+  TORCH_CHECK(qk.is_contiguous() && pool_k.is_contiguous() && pool_v.is_contiguous() && mask.is_contiguous() &&
+              slots.is_contiguous() && pool_k.sizes() == pool_v.sizes(), "spork::attend: contiguous tensors");
+  const int64_t b = qk.size(0), t = qk.size(2), d = qk.size(3), hkv = pool_k.size(1), s_len = pool_k.size(2);
+  const int64_t c = mask.size(2), g = heads / hkv;
+  TORCH_CHECK(d % 2 == 0 && d <= MAX_D && pool_k.size(3) == d, "spork::attend: head size even, at most 128");
+  TORCH_CHECK(heads % hkv == 0 && qk.size(1) == heads + hkv && mask.size(0) == b && mask.size(1) == t &&
+              slots.size(0) == b && c <= s_len, "spork::attend: shapes disagree");
+  at::Tensor out = at::empty({b * t, heads * d}, qk.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(qk.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(pool_k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(pool_v.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto* mp = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_k.size(0), "spork::attend: slot out of range");
+  const int64_t blocks = (g * t + ROWS - 1) / ROWS, w = d / 2;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const Weigh weigh_rows = weigher(d);
+  const WeighLanes weigh_lanes_rows = lane_weigher(d);
+  at::parallel_for(0, b * hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc, lanes;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / (hkv * blocks), h = item / blocks % hkv, r0 = item % blocks * ROWS;
+      const int n = static_cast<int>(std::min<int64_t>(ROWS, g * t - r0));
+      const uint32_t* q[ROWS];
+      const uint8_t* m[ROWS];
+      uint16_t* o[ROWS];
+      int64_t hi[ROWS], top = 0;
+      for (int r = 0; r < n; ++r) {  // row r0 + r: head h * g + (r0 + r) / t, token (r0 + r) % t
+        const int64_t head = h * g + (r0 + r) / t, tok = (r0 + r) % t;
+        q[r] = reinterpret_cast<const uint32_t*>(qp + ((seq * (heads + hkv) + head) * t + tok) * d);
+        m[r] = mp + (seq * t + tok) * c;
+        o[r] = op + (seq * t + tok) * heads * d + head * d;
+        hi[r] = attended_end(m[r], c);  // past its last attended column it reads nothing
+        top = std::max(top, hi[r]);
+      }
+      const int64_t stride = (top + LANES - 1) / LANES * LANES;
+      sc.assign(static_cast<size_t>((ROWS + 8) * stride), 0.0f);  // rows past n stay 0: weigh's padding (RS <= 8)
+      const int64_t base = (sp[seq] * hkv + h) * s_len * d;
+      for (int64_t l = 0; l < std::min<int64_t>(top, 4 * LANES) * d; l += 32) {  // the streams' heads (the loops
+        _mm_prefetch(reinterpret_cast<const char*>(kp + base + l), _MM_HINT_T0);  // prefetch ahead of themselves)
+        if (l < 24 * d) _mm_prefetch(reinterpret_cast<const char*>(vp + base + l), _MM_HINT_T0);
+      }
+      score(q, n, kp + base, top, s_len, w, scale, sc.data(), stride);
+      for (int r = 0; r < n; ++r) {
+        softmax_terms(sc.data() + r * stride, m[r], hi[r]);
+        std::fill(sc.begin() + r * stride + hi[r], sc.begin() + (r + 1) * stride, 0.0f);
+      }
+      if (n > 8) {  // rows in lanes: the same bits, fewer instructions per row
+        lanes.resize(static_cast<size_t>(stride * LANES * (1 + (d + LANES - 1) / LANES)) + LANES);
+        float* pt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(lanes.data()) + 63) & ~uintptr_t{63});
+        weigh_lanes_rows(sc.data(), stride, top, n, vp + base, d, o, pt, pt + stride * LANES);
+      } else {
+        weigh_rows(sc.data(), stride, top, n, vp + base, d, o);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(spork, m) {
+  m.def("attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spork, CPU, m) { m.impl("attend", &attend); }
