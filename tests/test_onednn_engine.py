@@ -148,15 +148,15 @@ def test_a_batch_in_any_slot_order_gives_each_sequence_its_own_logits_in_its_ord
 def test_the_engines_lean_forward_computes_the_models_values(engines, dtype, slots, real):
     """engines/cpu_forward.py claims the reference model's arithmetic in fewer ops, its layers run by TorchScript
     on the real rows only (packed): the same logits and tapped hidden states at those rows, bit for bit, as
-    model.Transformer.forward over the same packed modules, pool and window, which computes every row. With the
-    attention on spork::attend (where built: other arithmetic, fp32 scores and P @ V), the same values to bf16's
-    precision."""
+    model.Transformer.forward over the same packed modules, pool and window, which computes every row. On spork's
+    CPU kernels (fused_layers, where built: other arithmetic, fp32 inside each op), the same argmax and close values."""
     import dataclasses
 
     from spork_trt.engines import cpu_forward
     from spork_trt.engines.onednn_engine import WindowKV
 
-    assert isinstance(cpu_forward.scripted_layers(), torch.jit.ScriptFunction)  # not the Python fallback
+    assert isinstance(cpu_forward.scripted(False), torch.jit.ScriptFunction)  # not the Python fallback
+    assert isinstance(cpu_forward.scripted(True), torch.jit.ScriptFunction)
     engine = engines[dtype]
     weights = dataclasses.replace(engine.weights, fused=False)
     g = torch.Generator().manual_seed(1)
@@ -179,8 +179,8 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, dtype, slo
     assert torch.equal(lean.hidden, model.hidden.reshape(10, -1)[real])  # [N, k*C]
     if engine.weights.fused:
         diff = (fused.logits.float() - model.logits.float()).abs()  # logits up to ~25 over 30 bf16 layers: measured
-        assert diff.mean() < 0.25 and diff.max() < 1.5  # max 1.0, mean 0.17 (the bmm path rounds scores to bf16)
-        assert torch.equal(fused.logits.argmax(-1), model.logits.argmax(-1))
+        assert diff.mean() < 0.5  # measured 0.23-0.32 (max 1.3-2.4): other arithmetic, not less accurate (fidelity
+        assert torch.equal(fused.logits.argmax(-1), model.logits.argmax(-1))  # to fp32: bench fidelity, README)
 
 
 def test_p_at_v_over_a_long_window_is_the_same_whatever_columns_follow():

@@ -26,28 +26,15 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
+
+using spork_simd::exp_ps;
 
 constexpr int LANES = 16;  // fp32 lanes of a zmm: keys scored at once
 constexpr int ROWS = 16;   // query rows of one sequence and KV head that one work item computes
 constexpr int MAX_D = 128;
-
-// exp(x) for x <= 0: 2^n p(r) with x = n ln2 + r (Cephes' expf polynomial); every lane the same instructions
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // r[i] (16 dwords each) -> r[i] holds dword i of every input, in input order (a 16 x 16 transpose)
 inline void transpose16(__m512* r) {
@@ -163,7 +150,8 @@ void weigh_block(const float* e, int64_t stride, int64_t top, const uint16_t* va
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < top; ++j) {
-    for (int64_t l = 0; l < d; l += 32) _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
+    for (int64_t l = 0; l < d; l += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
     __m512 v[NV];
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
@@ -223,10 +211,12 @@ void weigh_lanes(const float* e, int64_t stride, int64_t top, int n, const uint1
     for (int l = 0; l < LANES && j0 + l < top; ++l) _mm512_store_ps(pt + (j0 + l) * LANES, block[l]);
   }
   for (int64_t j = 0; j < top; ++j) {
-    for (int64_t l = 0; l < d; l += 32) _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
+    for (int64_t l = 0; l < d; l += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
     for (int c = 0; c < NV; ++c) {
       const __m256i raw = _mm256_maskz_loadu_epi16(c + 1 < NV ? 0xFFFF : tail, values + j * d + c * LANES);
-      _mm512_store_ps(vt + (j * NV + c) * LANES, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      _mm512_store_ps(vt + (j * NV + c) * LANES,
+                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
     }
   }
   __m512 sums = _mm512_setzero_ps();

@@ -62,7 +62,7 @@ class LayerWeights:
     parts: list[int]  # [q/k/v parts, gate/up parts]: 1 each when fused (cpu_linears.FUSED), else 3 and 2
     dims: list[int]  # [H, Hkv, D, weights per int4 block, attend's chunk] (TorchScript reads no globals)
     eps: float
-    fused: bool  # attention by spork::attend (fused_attention)
+    fused: bool  # the layers on spork's CPU kernels (fused_layers), else ATen's ops (layers)
 
 
 def layer_weights(model: Transformer) -> LayerWeights:
@@ -77,13 +77,14 @@ def layer_weights(model: Transformer) -> LayerWeights:
     a = model.layers[0].attn
     return LayerWeights(norms, [lin.packed for lin in linears], [lin.scales for lin in linears],
                         [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK],
-                        model.layers[0].attn_norm.eps, fused_attention(a.head_dim))
+                        model.layers[0].attn_norm.eps, fused_layers_available(a.head_dim))
 
 
-def fused_attention(head_dim: int) -> bool:
-    """Whether the layers attend by spork::attend: where spork's CPU kernels are built (int4_kernel.kernel()), for
-    an even head size up to 128, unless SPORK_ATTENTION=bmm (the bmm path: other arithmetic, so other tokens)."""
-    return (os.environ.get("SPORK_ATTENTION", "spork") != "bmm" and head_dim % 2 == 0 and head_dim <= 128
+def fused_layers_available(head_dim: int) -> bool:
+    """Whether the layers run on spork's CPU kernels (fused_layers): where they are built (int4_kernel.kernel()),
+    for an even head size up to 128, unless SPORK_LAYERS=aten (`layers`: ATen's ops, other arithmetic, so other
+    tokens)."""
+    return (os.environ.get("SPORK_LAYERS", "spork") != "aten" and head_dim % 2 == 0 and head_dim <= 128
             and int4_kernel.kernel() == "spork")
 
 
@@ -111,16 +112,15 @@ def attend(probs: torch.Tensor, values: torch.Tensor, chunk: int) -> torch.Tenso
 
 
 def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tensor, sin: torch.Tensor,
-           mask: torch.Tensor, bias: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-           at: List[Optional[torch.Tensor]], first: int, gather: torch.Tensor, c: int, fused: bool,
-           norms: List[torch.Tensor], packed: List[torch.Tensor], scales: List[torch.Tensor], parts: List[int],
-           dims: List[int], eps: float, taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """x [N, C], the rows `real` of a [B, T] forward, through every layer (model.Block's arithmetic). Each layer
-    writes its new K/V rows into the pool [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv, T]), then
-    attends the columns `mask` [B, T, c] gives each row of the sequences' slots (`gather` [B]): with `fused`, by
-    spork::attend reading the pool in place (engines/attention_kernel.cpp); else by bmms over a copy of positions
-    [0, c), slots first .. first+B-1 (a window) or gathered when first < 0, and `bias` (mask's -inf). Returns x
-    and the hidden states [N, C] after each layer in `taps`."""
+           bias: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, at: List[Optional[torch.Tensor]],
+           first: int, gather: torch.Tensor, c: int, norms: List[torch.Tensor], packed: List[torch.Tensor],
+           scales: List[torch.Tensor], parts: List[int], dims: List[int], eps: float,
+           taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """x [N, C], the rows `real` of a [B, T] forward, through every layer (model.Block's arithmetic, ATen's ops).
+    Each layer writes its new K/V rows into the pool [L, slots, Hkv, S, D] at `at` (indices broadcast to [B, Hkv,
+    T]), then attends positions [0, c) of the sequences' slots by bmms (window_attention): slots first ..
+    first+B-1 (a view), or `gather`'s when first < 0 (a copy), with `bias` (the mask's -inf). Returns x and the
+    hidden states [N, C] after each layer in `taps`."""
     padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, hkv, d, group = dims[0], dims[1], dims[2], dims[3]
     per = parts[0] + parts[1] + 2  # projections a layer has
@@ -137,16 +137,51 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         layer_k, layer_v = pool_k[i], pool_v[i]  # [slots, Hkv, S, D]
         layer_k.index_put_(at, qk[:, h:].to(layer_k.dtype))
         layer_v.index_put_(at, v.to(layer_v.dtype))
-        if fused:
-            out = torch.ops.spork.attend(qk.contiguous(), h, layer_k, layer_v, gather, mask)  # [B*T, H*D]
-        else:
-            out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims)  # [B*T, H*D]
+        out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
         x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group)
         gate, up = project(rms(x, norms[2 * i + 1], eps), packed, scales, j + parts[0] + 1, parts[1], group).chunk(
             2, dim=-1)
         x = x + matmul(F.silu(gate) * up, packed[j + per - 1], scales[j + per - 1], group)
+        if i + 1 in taps:
+            tapped.append(x)
+    return x, tapped
+
+
+def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
+                 write: torch.Tensor, norms: List[torch.Tensor], packed: List[torch.Tensor],
+                 scales: List[torch.Tensor], parts: List[int], dims: List[int], eps: float,
+                 taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """`layers` on spork's CPU kernels (fused_layers_available): the same model in fewer ops, other arithmetic (fp32
+    inside each op, one bf16 rounding at its end). A layer: its norm (with the residual add before it), the q/k/v
+    projection, rope_store (q and k rotated, k and v written into the pool [L, slots, Hkv, S, D] at `slots` [B] and
+    `write` [B, T]), attend (the columns `mask` [B, T, C] gives each row, read from the pool in place), the output
+    projection, the MLP norm, gate/up, silu_mul, down. cos, sin [B, T, D] fp32 (rope_tables)."""
+    padding = real.numel() != b * t  # else every row is real: no scatter, no gather
+    h, group = dims[0], dims[3]
+    per = parts[0] + parts[1] + 2  # projections a layer has
+    n_layers = len(norms) // 2
+    tapped: List[torch.Tensor] = []
+    y = torch.ops.spork.rms_norm(x, norms[0], eps)
+    for i in range(n_layers):
+        j = i * per
+        qkv = project(y, packed, scales, j, parts[0], group)  # [N, (H+2Hkv)D]
+        if padding:
+            qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, real, qkv)  # padding rows: zeros
+        qk = torch.ops.spork.rope_store(qkv, cos, sin, h, pool_k[i], pool_v[i], slots, write)  # [B, H+Hkv, T, D]
+        out = torch.ops.spork.attend(qk, h, pool_k[i], pool_v[i], slots, mask)  # [B*T, H*D]
+        if padding:
+            out = out.index_select(0, real)  # [N, H*D]
+        x, y = torch.ops.spork.add_rms_norm(x, matmul(out, packed[j + parts[0]], scales[j + parts[0]], group),
+                                            norms[2 * i + 1], eps)
+        gate_up = project(y, packed, scales, j + parts[0] + 1, parts[1], group)  # [N, 2F]
+        down = matmul(torch.ops.spork.silu_mul(gate_up), packed[j + per - 1], scales[j + per - 1], group)
+        if i + 1 < n_layers:
+            x, y = torch.ops.spork.add_rms_norm(x, down, norms[2 * i + 2], eps)
+        else:
+            x = x + down
         if i + 1 in taps:
             tapped.append(x)
     return x, tapped
@@ -174,16 +209,18 @@ def window_attention(qk: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Ten
 
 
 @functools.cache
-def scripted_layers():
-    """`layers` compiled by TorchScript, once per process; `layers` itself where that fails (the same ops)."""
-    int4_kernel.kernel()  # spork::int4_mm's schema, which `layers` names, defined before scripting
+def scripted(fused: bool):
+    """`fused_layers` or `layers` compiled by TorchScript, once per process; the function itself where that fails
+    (the same ops)."""
+    int4_kernel.kernel()  # spork's op schemas, which the layers name, defined before scripting
+    fn = fused_layers if fused else layers
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.script
-            return torch.jit.script(layers)
+            return torch.jit.script(fn)
     except Exception as e:  # noqa: BLE001 - any scripting failure leaves the same arithmetic in Python
         warnings.warn(f"the CPU torch engine runs its layers in Python (TorchScript failed: {e})", RuntimeWarning)
-        return layers
+        return fn
 
 
 def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
@@ -192,12 +229,18 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     b, t = ids.shape
     real = torch.arange(b * t) if real is None else real  # [N]
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
-    cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
-    bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
-    first = kv.window.start if kv.window is not None else -1  # -1: gather kv.slots
-    x, tapped = scripted_layers()(x, real, b, t, cos, sin, mask.contiguous(), bias, kv.pool.k, kv.pool.v,
-                                  list(kv.at), first, kv.slots, kv.c, weights.fused, weights.norms, weights.packed,
-                                  weights.scales, weights.parts, weights.dims, weights.eps, list(taps))
+    if weights.fused:
+        cos, sin = rope_tables(pos, model.inv_freq, torch.float32)  # [B, 1, T, D]: [B, T, D] in memory
+        x, tapped = scripted(True)(x, real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v, kv.slots,
+                                   kv.write, weights.norms, weights.packed, weights.scales, weights.parts,
+                                   weights.dims, weights.eps, list(taps))
+    else:
+        cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
+        bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
+        first = kv.window.start if kv.window is not None else -1  # -1: gather kv.slots
+        x, tapped = scripted(False)(x, real, b, t, cos, sin, bias, kv.pool.k, kv.pool.v, list(kv.at), first,
+                                    kv.slots, kv.c, weights.norms, weights.packed, weights.scales, weights.parts,
+                                    weights.dims, weights.eps, list(taps))
     after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [N, C] (`layers` returns them in layer order)
     hidden = torch.cat([after[k] for k in taps], dim=-1) if taps else None  # [N, k*C]
     x = x[logit_rows]  # [R, C]

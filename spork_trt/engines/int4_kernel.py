@@ -3,7 +3,7 @@ against bf16 activations with AVX512-BF16 dot products, every row by the same in
 construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
 a process asks (about 20 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
 `make setup` builds it. The same library holds spork::attend (attention_kernel.cpp), which the engine's layers use
-wherever it is built (cpu_forward.fused_attention).
+wherever it is built, with its small ops in layer_ops.cpp (cpu_forward.fused_layers).
 
 Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
-SOURCES = [SOURCE, Path(__file__).with_name("attention_kernel.cpp")]  # one library: spork::int4_mm, spork::attend
+SOURCES = [SOURCE, *(Path(__file__).with_name(f) for f in ("attention_kernel.cpp", "layer_ops.cpp"))]  # one library
+HEADERS = [Path(__file__).with_name("cpu_simd.h")]  # what the sources include (torch's loader hashes sources only)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
          "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
 TILE = 16  # columns per tile of the packed layout
@@ -51,7 +52,12 @@ def kernel() -> str:
 
 
 SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",  # as the sources define them
-           "attend": "attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor"}
+           "attend": "attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor",
+           "rms_norm": "rms_norm(Tensor x, Tensor w, float eps) -> Tensor",
+           "add_rms_norm": "add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)",
+           "rope_store": "rope_store(Tensor qkv, Tensor cos, Tensor sin, int heads, Tensor(a!) pool_k, "
+                         "Tensor(b!) pool_v, Tensor slots, Tensor write) -> Tensor",
+           "silu_mul": "silu_mul(Tensor gu) -> Tensor"}
 PLACEHOLDER: list = []
 
 
@@ -66,7 +72,8 @@ def build() -> bool:
         import ninja  # the build tool torch's extension loader runs; on PATH when the venv is not activated
         from torch.utils import cpp_extension
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        cpp_extension.load(name="spork_int4", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name="spork_int4", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"],
                            build_directory=str(build_directory()), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
         warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
@@ -80,7 +87,9 @@ def build_directory() -> Path:
     sharing one rebuilt it for each other, replacing the library another process was loading), with a lock left by
     a build that was killed (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    key = hashlib.sha256(f"{'|'.join(str(p.resolve()) for p in SOURCES)}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()
+    sources = "|".join(str(p.resolve()) for p in SOURCES)
+    key = hashlib.sha256(f"{sources}|{headers}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
     d = root / f"spork_int4-{key}"
     d.mkdir(parents=True, exist_ok=True)
     lock = d / "lock"

@@ -13,8 +13,9 @@ lossless:
   the whole slot), and its columns are absolute positions: a layer writes its new K/V rows into the pool first
   (one index_put_), then attends positions [0, C). Where spork's CPU kernels are built, spork::attend reads the
   pool in place and sums only the attended columns, in order (engines/attention_kernel.cpp: row-, batch- and
-  window-invariant by construction); else bmms over a copy of the window, as follows. A chain token's softmax and P @ V terms then sit at the same
-  columns whether it is computed alone or inside a chain, so they are summed in the same order (with bf16
+  window-invariant by construction; cpu_forward.fused_layers); else bmms over a copy of the window, as follows. A
+  chain token's softmax and P @ V terms then sit at the same columns whether it is computed alone or inside a
+  chain, so they are summed in the same order (with bf16
   rounding after the sum, another order changed the argmax within 16 tokens); past 1024 columns P @ V is summed in
   chunks of 1024 (cpu_forward.attend: oneDNN's order there depends on C). A tree's rows sit elsewhere than the
   same tokens of a chain, so this engine verifies chains (`exact_trees` False), as a quantized ONNX target does.
@@ -78,6 +79,7 @@ class WindowKV:
     def __init__(self, pool: Pool, slots: list[int], write: torch.Tensor, c: int) -> None:
         self.pool, self.c = pool, c
         self.slots = torch.tensor(slots)  # [B]
+        self.write = write  # [B, T]
         self.at = (self.slots[:, None, None], torch.arange(pool.k.shape[2])[None, :, None],
                    write[:, None, :])  # write [B, T]; broadcast to [B, Hkv, T] over a layer's [slots, Hkv, S, D]
         first = slots[0]
