@@ -10,7 +10,7 @@ import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.engines import chain_input
+from spork_trt.engines import SeqInput, chain_input
 from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
 from spork_trt.errors import UserError
 from spork_trt.gguf_blocks import blocks_by_parameter
@@ -45,6 +45,33 @@ def test_a_chain_token_is_the_same_alone_in_a_chain_in_a_batch_and_beside_a_prom
     assert torch.equal(alone, logits_in_a_tree(engine))  # NEXT as one chain: a tree's path
     assert torch.equal(alone, logits_in_a_batch(engine))
     assert torch.equal(alone, logits_beside_a_prompt(engine))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_on_spork_attend_a_trees_rows_compute_their_chains_bits(engines, dtype):
+    """A tree (root a; children b and c; d under c) verified in one forward: each row's logits equal, bit for bit,
+    those of the same tokens as a chain (a c d, a b), though its ancestors sit at other columns."""
+    engine = engines[dtype]
+    if not engine.weights.fused:
+        pytest.skip("spork's CPU kernels are not built here (trees are exact by construction on spork::attend)")
+    prompt, (a, b, c, d) = [1, 1, 2, 3, 5, 8, 13, 21, 34], (55, 89, 144, 233)
+
+    def run(tokens, parents):
+        cache = engine.make_pool(1, 64).caches[0]
+        engine.forward_batch([chain_input(cache, prompt)])
+        cache.commit()
+        n, base = len(tokens), len(prompt)
+        anc = torch.eye(n, dtype=torch.bool)
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            if p >= 0:
+                anc[i] |= anc[p]
+                depth[i] = depth[p] + 1
+        return engine.forward_batch([SeqInput(cache, tuple(tokens), tuple(base + x for x in depth), anc)])[0]
+
+    tree = run([a, b, c, d], [-1, 0, 0, 2])
+    acd, ab = run([a, c, d], [-1, 0, 1]), run([a, b], [-1, 0])
+    assert torch.equal(tree[[0, 2, 3]], acd) and torch.equal(tree[1], ab[1])
 
 
 def chain_then_alone(engine, prompt: list[int], chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,7 +97,10 @@ class OneDnnEngine(DeviceEngine):
     """A CPU target in bf16 or int4: the device engine's pools and slots, prepacked or int4 matmuls, windowed
     absolute attention (see the module doc)."""
 
-    exact_trees = False  # a tree's rows attend their ancestors at other columns than a chain's: chains are exact
+    # a tree's rows attend their ancestors at other columns than a chain's: on the bmm path only chains are exact.
+    # On spork::attend trees are exact too (tests/test_onednn_engine.py), but measured slower than chains (int4,
+    # bench serve mt_bench: spork / plain 1.08x against 1.32x at 1 client, 0.90x against 0.93x at 16): chains
+    exact_trees = False
     padded_batches = False  # its linear layers run the real rows only (cpu_forward: packed rows)
     chunks_apart = True  # but its attention runs [B, T]: a prompt chunk beside the trees would pad them all
 
