@@ -6,7 +6,10 @@ number), the pool's write indices are built once per forward (WindowKV), and the
 function (`layers`, scripted once per process): the same ATen ops in the same order, so the same bits (TorchScript
 fuses nothing on a CPU: tests/test_onednn_engine.py compares with model.py), run by TorchScript's interpreter instead
 of Python (a one-token int4 forward 9.3 -> 7.2 ms, docs/engines.md). Where scripting is unavailable the same
-function runs in Python.
+function runs in Python. Where spork's CPU kernels are built, `fused_layers` runs instead: the same model on our own
+attention (the pool read in place) and one native op for each run of small ops (engines/layer_ops.cpp), about 12
+ops a layer instead of about 35 (a one-token int4 forward 6.8 -> 3.9 ms), with other arithmetic (fp32 inside each
+op), so other tokens than `layers`: a process runs one or the other (fused_layers_available).
 
 Rows are packed: the linear layers, norms and residual stream run on the N real rows of a forward only (`real`,
 their flat indices b * T + t in the padded [B, T] layout), the attention on the padded layout (each row's q, k, v
