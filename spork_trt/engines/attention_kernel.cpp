@@ -240,33 +240,27 @@ void weigh_lanes(const float* e, int64_t stride, int64_t top, int n, const uint1
 }
 
 using Weigh = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*);
-
-Weigh weigher(int64_t d) {
-  switch ((d + LANES - 1) / LANES) {
-    case 1: return weigh<1>;
-    case 2: return weigh<2>;
-    case 3: return weigh<3>;
-    case 4: return weigh<4>;
-    case 5: return weigh<5>;
-    case 6: return weigh<6>;
-    case 7: return weigh<7>;
-    default: return weigh<8>;
-  }
-}
-
 using WeighLanes = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*, float*,
                             float*);
 
-WeighLanes lane_weigher(int64_t d) {
+struct Weighers {  // P @ V for a head size: d in lanes (few rows), rows in lanes (more than 8)
+  Weigh rows;
+  WeighLanes lanes;
+};
+
+template <int NV>
+Weighers weighers_of() { return {weigh<NV>, weigh_lanes<NV>}; }
+
+Weighers weighers(int64_t d) {
   switch ((d + LANES - 1) / LANES) {
-    case 1: return weigh_lanes<1>;
-    case 2: return weigh_lanes<2>;
-    case 3: return weigh_lanes<3>;
-    case 4: return weigh_lanes<4>;
-    case 5: return weigh_lanes<5>;
-    case 6: return weigh_lanes<6>;
-    case 7: return weigh_lanes<7>;
-    default: return weigh_lanes<8>;
+    case 1: return weighers_of<1>();
+    case 2: return weighers_of<2>();
+    case 3: return weighers_of<3>();
+    case 4: return weighers_of<4>();
+    case 5: return weighers_of<5>();
+    case 6: return weighers_of<6>();
+    case 7: return weighers_of<7>();
+    default: return weighers_of<8>();
   }
 }
 
@@ -294,8 +288,7 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
   for (int64_t i = 0; i < b; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_k.size(0), "spork::attend: slot out of range");
   const int64_t blocks = (g * t + ROWS - 1) / ROWS, w = d / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const Weigh weigh_rows = weigher(d);
-  const WeighLanes weigh_lanes_rows = lane_weigher(d);
+  const Weighers weigh = weighers(d);
   at::parallel_for(0, b * hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc, lanes;
     for (int64_t item = begin; item < end; ++item) {
@@ -328,9 +321,9 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
       if (n > 8) {  // rows in lanes: the same bits, fewer instructions per row
         lanes.resize(static_cast<size_t>(stride * LANES * (1 + (d + LANES - 1) / LANES)) + LANES);
         float* pt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(lanes.data()) + 63) & ~uintptr_t{63});
-        weigh_lanes_rows(sc.data(), stride, top, n, vp + base, d, o, pt, pt + stride * LANES);
+        weigh.lanes(sc.data(), stride, top, n, vp + base, d, o, pt, pt + stride * LANES);
       } else {
-        weigh_rows(sc.data(), stride, top, n, vp + base, d, o);
+        weigh.rows(sc.data(), stride, top, n, vp + base, d, o);
       }
     }
   });
