@@ -110,6 +110,8 @@ def test_attend_refuses_what_it_cannot_compute():
         attend(qk.float(), heads, pk, pv, slots, mask)
     with pytest.raises(RuntimeError, match="shapes disagree"):
         attend(qk, heads, pk, pv, slots, torch.ones(3, 1, 100, dtype=torch.bool))  # C past the pool's S
+    with pytest.raises(RuntimeError, match="attends no column"):
+        attend(qk, heads, pk, pv, slots, torch.zeros_like(mask))
     with pytest.raises(RuntimeError, match="head size"):
         attend(torch.zeros(3, 12, 1, 130).bfloat16(), 9, torch.zeros(6, 3, 70, 130).bfloat16(),
                torch.zeros(6, 3, 70, 130).bfloat16(), slots, torch.ones(3, 1, 50, dtype=torch.bool))

@@ -304,10 +304,11 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
         m[r] = mp + (seq * t + tok) * c;
         o[r] = op + (seq * t + tok) * heads * d + head * d;
         hi[r] = attended_end(m[r], c);  // past its last attended column it reads nothing
+        TORCH_CHECK(hi[r] > 0, "spork::attend: a row attends no column");
         top = std::max(top, hi[r]);
       }
       const int64_t stride = (top + LANES - 1) / LANES * LANES;
-      sc.assign(static_cast<size_t>((ROWS + 8) * stride), 0.0f);  // rows past n stay 0: weigh's padding (RS <= 8)
+      sc.assign(static_cast<size_t>(ROWS * stride), 0.0f);  // rows past n stay 0 (weigh.lanes reads all 16)
       const int64_t base = (sp[seq] * hkv + h) * s_len * d;
       for (int64_t l = 0; l < std::min<int64_t>(top, 4 * LANES) * d; l += 32) {  // the streams' heads (the loops
         _mm_prefetch(reinterpret_cast<const char*>(kp + base + l), _MM_HINT_T0);  // prefetch ahead of themselves)
