@@ -128,7 +128,8 @@ class OneDnnEngine(DeviceEngine):
         the entries' own slots run (the device engine runs every slot below the highest, for its static shapes), in
         slot order, with the few free slots between them as padding sequences (`window_members`)."""
         pool, slots = self.slots_of(entries)
-        members = window_members(slots)  # [B]: an entry's index, or None for a free slot in the window
+        members = window_members(slots, pad=not self.weights.fused)  # [B]: an entry's index, or None for a free
+        # slot in the window (spork::attend reads any slots in place: no window to pad to)
         b = len(members)
         t = max(max(len(e[1]) for e in entries), -(-self.row_floor // b))  # at least row_floor rows in all
         bases = [cache.length + cache.pending for cache, *_ in entries]
@@ -168,14 +169,15 @@ class OneDnnEngine(DeviceEngine):
         return list(torch.split(logits, [len(e[4]) for e in entries]))
 
 
-def window_members(slots: list[int]) -> list[int | None]:
+def window_members(slots: list[int], pad: bool = True) -> list[int | None]:
     """The sequences of a forward in slot order: each entry's index, by its slot. When the slots, with at most a
     quarter as many free ones between them, make one run, the free ones join as padding sequences (None) and the
     forward attends one window of the pool (a contiguous copy; gathering scattered slots copied 1.4x slower and
-    16 scattered sequences took 36 ms a forward against 26 ms consecutive, int4, 100-655 tokens each)."""
+    16 scattered sequences took 36 ms a forward against 26 ms consecutive, int4, 100-655 tokens each). Without
+    `pad` (spork::attend, which reads any slots in place), slot order only."""
     order = sorted(range(len(slots)), key=slots.__getitem__)
     span = slots[order[-1]] - slots[order[0]] + 1
-    if span - len(slots) > len(slots) // 4:
+    if not pad or span - len(slots) > len(slots) // 4:
         return order
     by_slot = dict(zip((slots[i] for i in order), order))
     return [by_slot.get(s) for s in range(slots[order[0]], slots[order[0]] + span)]
