@@ -14,7 +14,8 @@
 //
 //   packed   chunks of 4 tiles (64 columns), each whole: for chunk c, block g, tile t (16 columns), quad e (k = 32g
 //            + 4e .. + 3), column j, two bytes: q[., 4e] | q[., 4e + 2] << 4 and q[., 4e + 1] | q[., 4e + 3] << 4.
-//            A thread reads its chunks as one stream (the last chunk holds the N/16 % 4 tiles left, if any)
+//            A thread reads its run of tiles (threads split the N/16 tiles evenly, a chunk between two if need be; the
+//            last chunk holds the N/16 % 4 tiles left, if any)
 //   scales   the same chunks: for chunk c, block g: d of its columns, then off, fp16
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +33,7 @@ constexpr int TILE = 16;   // columns in a zmm of fp32
 constexpr int NT = 4;      // tiles a chunk holds (64 columns)
 constexpr int GROUP = 32;  // weights per block
 constexpr int PAIRS = GROUP / 2;
+constexpr int AHEAD = 4;  // blocks a thread prefetches ahead of its reads: the weights stream from memory
 
 // 32 bytes of quad e -> the bf16 pairs 2e and 2e + 1 (lane j: (128 + q[2p]) | (128 + q[2p + 1]) << 16)
 inline void expand(const uint8_t* p, __m512i* even, __m512i* odd) {
@@ -89,32 +91,38 @@ RowsFn rows_fn(int r, int t) {
   }
 }
 
-// chunk c (tiles 4c .. 4c + nt - 1) for every row: y [M, nt * 16] fp32, then out (bf16, round to nearest even)
+// tiles t0 .. t1 - 1 of chunk c (which holds nt tiles: 4c .. 4c + nt - 1) for every row: y [M, (t1 - t0) * 16] fp32,
+// then out (bf16, round to nearest even). Each output column is computed alike whichever tiles share its call
 void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const at::Half* scales,
-           const float* xs, int64_t c, int nt, float* y, at::BFloat16* out) {
-  const int64_t G = K / GROUP, ystride = nt * TILE;
+           const float* xs, int64_t c, int nt, int t0, int t1, float* y, at::BFloat16* out) {
+  const int64_t G = K / GROUP;
+  const int n = t1 - t0, ystride = n * TILE;
   const uint8_t* codes = packed + c * G * NT * GROUP / 2 * TILE;  // a block of a tile: 32 codes x 16 columns
   const at::Half* sc = scales + c * G * 2 * NT * TILE;
   alignas(64) __m512i w[PAIRS * NT];
   std::fill(y, y + M * ystride, 0.f);
   for (int64_t g = 0; g < G; ++g, codes += nt * GROUP / 2 * TILE, sc += 2 * nt * TILE) {
+    for (int i = 0; i < nt * GROUP / 2 * TILE; i += 64)  // the stream AHEAD blocks on (the next chunk's, past the end)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * GROUP / 2 * TILE + i), _MM_HINT_T0);
+    for (int i = 0; i < 2 * nt * TILE; i += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
     __m512 d[NT], off[NT];
-    for (int t = 0; t < nt; ++t) {
-      d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + t * TILE)));
+    for (int t = 0; t < n; ++t) {
+      d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
       off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(sc + (nt + t) * TILE))));
-      const uint8_t* src = codes + t * GROUP / 2 * TILE;
+          reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
+      const uint8_t* src = codes + (t0 + t) * GROUP / 2 * TILE;
       for (int e = 0; e < GROUP / 4; ++e) expand(src + e * 2 * TILE, &w[2 * e * NT + t], &w[(2 * e + 1) * NT + t]);
     }
     for (int64_t m = 0; m < M; m += 4) {  // register blocks of up to 4 rows x 4 tiles
       const int r = static_cast<int>(std::min<int64_t>(4, M - m));
-      rows_fn(r, nt)(x + m * K + g * GROUP, K, w, d, off, xs + m * G + g, G, y + m * ystride, ystride);
+      rows_fn(r, n)(x + m * K + g * GROUP, K, w, d, off, xs + m * G + g, G, y + m * ystride, ystride);
     }
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int t = 0; t < nt; ++t) {
+    for (int t = 0; t < n; ++t) {
       const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(y + m * ystride + t * TILE));
-      std::memcpy(out + m * N + (c * NT + t) * TILE, &v, 32);
+      std::memcpy(out + m * N + (c * NT + t0 + t) * TILE, &v, 32);
     }
 }
 
@@ -142,10 +150,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const at::Half* sc = scales.data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t tiles = N / TILE;
-  at::parallel_for(0, (tiles + NT - 1) / NT, 1, [&](int64_t b, int64_t e) {  // each thread its own run of chunks
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {  // each thread an equal run of tiles, chunk by chunk
     std::vector<float> y(M * NT * TILE);
-    for (int64_t c = b; c < e; ++c)
-      chunk(xp, M, K, N, pk, sc, xs.data(), c, static_cast<int>(std::min<int64_t>(NT, tiles - c * NT)), y.data(), op);
+    for (int64_t c = b / NT; c * NT < e; ++c) {
+      const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
+      chunk(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
+            static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), op);
+    }
   });
   return out;
 }
