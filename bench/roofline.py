@@ -102,13 +102,13 @@ def cpu_torch_points(build: Path, dtype: str, machine: Machine, ts: list[int], b
                      ) -> list[Point]:
     """The build's checkpoint on the CPU torch engine in `dtype` (bf16 | int4: `--dtype` of generate, bench run and
     serve)."""
-    from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
+    from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear, Q8Linear
     from spork_trt.engines.onednn_engine import built_on_one_thread, cpu_target
     from spork_trt.runtime import source_checkpoint
 
     with built_on_one_thread():
         engine = cpu_target(source_checkpoint(mf.read(build)), dtype)
-    linears = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, PackedLinear))]
+    linears = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, PackedLinear, Q8Linear))]
     cost = sum(m.weight_bytes for m in linears), sum(m.weight_numel for m in linears)
     return engine_points(engine, build, f"{dtype} (CPU torch engine)", cost, machine.bf16_gflops,
                          machine, ts, batch, repeats)

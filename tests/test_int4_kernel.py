@@ -1,7 +1,7 @@
-"""spork::int4_mm (engines/int4_kernel.cpp): it computes w = d q + off of the blocks it was given (against a float64
-reference), and a row's output is the same bits at any row count, row position and thread count; the int4 engine
-runs it on the default checkpoint's own Q4_1 blocks, and ATen's kernel where it is not built; a killed build's lock
-does not hang the next."""
+"""spork::int4_mm and spork::q8_mm (engines/int4_kernel.cpp): they compute w = d q + off of the blocks they were
+given (against a float64 reference), and a row's output is the same bits at any row count, row position and thread
+count; the int4 engine runs them on the default checkpoint's own Q4_1 blocks and its Q8_0 LM head, and ATen's kernel
+where they are not built; a killed build's lock does not hang the next."""
 from __future__ import annotations
 
 import os
@@ -20,13 +20,18 @@ if int4_kernel.kernel() != "spork":
                 allow_module_level=True)
 
 
-def blocks(n: int, k: int, seed: int, q4_0: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random Q4 blocks: codes [N, K] 0..15, d and off [N, K/32] fp16 values (Q4_0: off = -8 d)."""
+def blocks(n: int, k: int, seed: int, q4_0: bool, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random blocks: codes [N, K] 0..15 (Q8_0: 0..255, q + 128), d and off [N, K/32] fp16 values (Q4_0: off =
+    -8 d; Q8_0: -128 d)."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
     d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
-    off = -8 * d if q4_0 else rng.uniform(-0.4, 0.1, (n, k // 32)).astype(np.float16).astype(np.float32)
+    off = -(1 << (bits - 1)) * d if q4_0 or bits == 8 else rng.uniform(-0.4, 0.1, (n, k // 32)).astype(
+        np.float16).astype(np.float32)
     return codes, d, off
+
+
+MM = {4: "int4_mm", 8: "q8_mm"}  # the op for each code width
 
 
 def weights(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> np.ndarray:
@@ -34,29 +39,33 @@ def weights(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> np.ndarray:
     return codes * np.repeat(d, 32, axis=1).astype(np.float64) + np.repeat(off, 32, axis=1)
 
 
-@pytest.mark.parametrize("q4_0", [False, True])
+@pytest.mark.parametrize("q4_0, bits", [(False, 4), (True, 4), (True, 8)])
 @pytest.mark.parametrize("n, k", [(64, 64), (80, 96), (960, 576)])  # 80: a chunk of 4 tiles and one of 1
-def test_it_computes_the_blocks_weights(n, k, q4_0):
-    codes, d, off = blocks(n, k, seed=n + k, q4_0=q4_0)
-    packed, scales = int4_kernel.pack(codes, d, off)
+def test_it_computes_the_blocks_weights(n, k, q4_0, bits):
+    codes, d, off = blocks(n, k, seed=n + k, q4_0=q4_0, bits=bits)
+    packed, scales = int4_kernel.pack(codes, d, off, bits=bits)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    got = torch.ops.spork.int4_mm(x, packed, scales).double()
+    got = getattr(torch.ops.spork, MM[bits])(x, packed, scales)
+    assert got.dtype == (torch.bfloat16 if bits == 4 else torch.float32)
     want = x.double() @ torch.from_numpy(weights(codes, d, off)).t()
-    assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()  # bf16 output rounding, fp32 sums
+    tolerance = 2 ** -7 if bits == 4 else 2 ** -16  # bf16 output rounding; fp32 sums
+    assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
 
 
-def test_a_row_is_the_same_bits_at_any_row_count_position_and_thread_count():
-    codes, d, off = blocks(960, 576, seed=3, q4_0=False)
-    packed, scales = int4_kernel.pack(codes, d, off)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_is_the_same_bits_at_any_row_count_position_and_thread_count(bits):
+    codes, d, off = blocks(960, 576, seed=3, q4_0=bits == 8, bits=bits)
+    packed, scales = int4_kernel.pack(codes, d, off, bits=bits)
+    mm = getattr(torch.ops.spork, MM[bits])
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    alone = torch.cat([torch.ops.spork.int4_mm(x[i:i + 1], packed, scales) for i in range(37)])
+    alone = torch.cat([mm(x[i:i + 1], packed, scales) for i in range(37)])
     threads = torch.get_num_threads()
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
             for m in (2, 3, 5, 16, 37):  # every register-block tail, rows at every position in a block
                 for s in (0, 37 - m):
-                    assert torch.equal(torch.ops.spork.int4_mm(x[s:s + m], packed, scales), alone[s:s + m])
+                    assert torch.equal(mm(x[s:s + m], packed, scales), alone[s:s + m])
     finally:
         torch.set_num_threads(threads)
 
@@ -70,11 +79,12 @@ def test_pack_refuses_what_it_cannot_compute():
 
 
 def test_the_int4_engine_runs_it_on_the_checkpoints_blocks(default_checkpoint):
-    from spork_trt.engines.cpu_linears import Int4Linear
+    from spork_trt.engines.cpu_linears import Int4Linear, Q8Linear
     from spork_trt.engines.onednn_engine import cpu_target
     engine = cpu_target(default_checkpoint, "int4")
     int4 = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
     assert int4 and all(m.scales.dtype == torch.float16 for m in int4)
+    assert isinstance(engine.model.lm_head, Q8Linear)  # the Q8_0 embedding the head is tied to
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
@@ -93,13 +103,14 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
 FALLBACK = """
 import torch
 from spork_trt.engines import cpu_forward, int4_kernel
-from spork_trt.engines.cpu_linears import Int4Linear
+from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
 from spork_trt.engines.onednn_engine import cpu_target
 from spork_trt.engines import chain_input
 from spork_trt.weights import load_checkpoint
 assert int4_kernel.kernel() == "aten"
 engine = cpu_target(load_checkpoint(), "int4")
 assert all(m.scales.dtype == torch.bfloat16 for m in engine.model.modules() if isinstance(m, Int4Linear))
+assert isinstance(engine.model.lm_head, PackedLinear)  # q8_mm is not built either: the head stays bf16
 cache = engine.make_pool(1, 64).caches[0]
 logits = engine.forward_batch([chain_input(cache, [1, 2, 3, 4])])[0]
 assert not engine.weights.fused and isinstance(cpu_forward.scripted(False), torch.jit.ScriptFunction)

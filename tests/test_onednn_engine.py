@@ -10,8 +10,8 @@ import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.engines import SeqInput, chain_input
-from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
+from spork_trt.engines import SeqInput, chain_input, int4_kernel
+from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear, Q8Linear
 from spork_trt.errors import UserError
 from spork_trt.gguf_blocks import blocks_by_parameter
 from spork_trt.runtime import Runtime
@@ -106,18 +106,27 @@ def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
 
 
 def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint, engines):
-    """Every layer's weights run on the checkpoint's Q4_1 codes, the Q8_0 LM head in bf16;
-    a projection's output is the blocks' dequantized weight applied in fp32, to bf16 rounding."""
+    """Every layer's weights run on the checkpoint's Q4_1 codes, the LM head on the Q8_0 embedding it is tied to:
+    a projection's output is the blocks' dequantized weight applied in fp32, to bf16 rounding; the head's fp32
+    logits are that weight's, to fp32 sums."""
     model = engines["int4"].model
     assert all(isinstance(m, Int4Linear) for layer in model.layers for m in layer.modules()
                if isinstance(m, (Int4Linear, PackedLinear)))
-    assert isinstance(model.lm_head, PackedLinear)
     blocks = blocks_by_parameter(default_checkpoint)
     w = torch.from_numpy(blocks["layers.3.mlp.down.weight"].dequantized())  # [576, 1536]
     x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0))
     got = model.layers[3].mlp.down(x.to(torch.bfloat16)).float()
     want = x.to(torch.bfloat16).float() @ w.t()
     assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    if int4_kernel.kernel() != "spork":
+        assert isinstance(model.lm_head, PackedLinear)
+        return
+    assert isinstance(model.lm_head, Q8Linear)
+    head = torch.from_numpy(blocks["embed.weight"].dequantized()).double()  # [V, C]
+    x = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits = model.lm_head(x)
+    want = x.double() @ head.t()
+    assert logits.dtype == torch.float32 and (logits.double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
 def test_int4_needs_a_checkpoint_with_4_bit_blocks():

@@ -9,6 +9,9 @@ checkpoint stores the weight as 4-bit blocks (GGUF Q4_0 / Q4_1), by a 4-bit kern
                 docs/engines.md) or, where that is not built, ATen's `_weight_int4pack_mm_for_cpu` (what torchao's
                 int4 weight-only layout runs on a CPU; s and z rounded to bf16). Both compute every row alone: a row
                 gives the same bits at any row count (tests/test_int4_kernel.py, tests/test_onednn_engine.py).
+  Q8Linear      the LM head on the checkpoint's own Q8_0 blocks (w = d q, q int8) with fp32 logits, on spork::q8_mm
+                (the same kernel, 8-bit codes): half the bytes of bf16 and one row where oneDNN ran two. Only where
+                spork's kernels are built; else the head stays a PackedLinear.
 """
 from __future__ import annotations
 
@@ -74,6 +77,23 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] bf16 -> [..., out] bf16."""
         y = matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales, BLOCK)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Q8Linear(nn.Module):
+    """nn.Linear (no bias) computing a checkpoint's Q8_0 blocks on spork::q8_mm, fp32 out."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__()
+        assert blocks.kind == "Q8_0" and int4_kernel.kernel() == "spork", (blocks.kind, int4_kernel.kernel())
+        self.out_features = blocks.codes.shape[0]
+        self.packed, self.scales = int4_kernel.pack(blocks.codes, blocks.d, -128 * blocks.d, bits=8)  # w = d (c - 128)
+        self.weight_numel = blocks.codes.size
+        self.weight_bytes = self.packed.nbytes + self.scales.nbytes  # what a forward reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] bf16 -> [..., out] fp32."""
+        y = torch.ops.spork.q8_mm(x.reshape(-1, x.shape[-1]), self.packed, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -1,19 +1,23 @@
-// spork::int4_mm: x [M, K] bf16 @ a checkpoint's 4-bit blocks -> [M, N] bf16, on AVX512-BF16.
+// spork::int4_mm and spork::q8_mm: x [M, K] bf16 @ a checkpoint's 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) blocks ->
+// [M, N], bf16 (int4_mm, a layer's projections) or fp32 (q8_mm, the LM head's logits), on AVX512-BF16.
 //
 // Each output is computed by the same instructions whatever M, whichever thread and whichever row block holds its
 // row, so a row gives the same bits alone, in a chain or in a batch (row-invariant by construction):
 //
-//   y[m, n] = sum over blocks g, in order, of  d[g, n] * dot_g(m, n) + (off[g, n] - 128 d[g, n]) * xs[m, g]
-//   dot_g   = sum of x[m, k] (128 + q[n, k]) over the block's 32 k: 16 bf16 pairs accumulated by vdpbf16ps from 0,
-//             in pair order (128 + q is exact in bf16, and its bits are 0x4300 | q: two logic ops per 32 codes)
+//   y[m, n] = sum over blocks g, in order, of  d[g, n] * dot_g(m, n) + (off[g, n] - BIAS d[g, n]) * xs[m, g]
+//   dot_g   = sum of x[m, k] c[n, k] over the block's 32 k: 16 bf16 pairs accumulated by vdpbf16ps from 0, in pair
+//             order, with c exact in bf16: 4-bit, c = 128 + q (bits 0x4300 | q: two logic ops per 32 codes,
+//             BIAS 128); 8-bit, c = the stored code q + 128 in 0..255 converted (BIAS 0, off = -128 d)
 //   xs      = the block's 32 x summed in fp32 (a fixed order)
 //
-// That is w = d q + off with the checkpoint's own fp16 d and off (Q4_1: off = m; Q4_0: off = -8 d), exactly; only
-// the fp32 rounding of the sums differs from any other order. A block's codes are expanded once per 128 columns
-// for all rows (ATen's int4 CPU kernel expands them again for every 4 rows).
+// That is w = d q + off with the checkpoint's own fp16 d and off (Q4_1: off = m; Q4_0: off = -8 d; Q8_0: w = d q),
+// exactly; only the fp32 rounding of the sums differs from any other order. A block's codes are expanded once per
+// 64 columns for all rows (ATen's int4 CPU kernel expands them again for every 4 rows).
 //
-//   packed   chunks of 4 tiles (64 columns), each whole: for chunk c, block g, tile t (16 columns), quad e (k = 32g
-//            + 4e .. + 3), column j, two bytes: q[., 4e] | q[., 4e + 2] << 4 and q[., 4e + 1] | q[., 4e + 3] << 4.
+//   packed   chunks of 4 tiles (64 columns), each whole: for chunk c, block g, tile t (16 columns), then
+//            4-bit: quad e (k = 32g + 4e .. + 3), column j, two bytes: q[., 4e] | q[., 4e + 2] << 4 and
+//                   q[., 4e + 1] | q[., 4e + 3] << 4;
+//            8-bit: pair p (k = 32g + 2p, + 1), column j, two bytes: c[., 2p], c[., 2p + 1].
 //            A thread reads its run of tiles (threads split the N/16 tiles evenly, a chunk between two if need be; the
 //            last chunk holds the N/16 % 4 tiles left, if any)
 //   scales   the same chunks: for chunk c, block g: d of its columns, then off, fp16
@@ -25,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,6 +47,33 @@ inline void expand(const uint8_t* p, __m512i* even, __m512i* odd) {
   *even = _mm512_ternarylogic_epi32(words, low4, bias, 0xEA);  // (a & b) | c
   *odd = _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), low4, bias, 0xEA);
 }
+
+// 32 bytes of pair p -> its bf16 pairs (lane j: c[2p] | c[2p + 1] << 16; columns 0-7 in the first 16 bytes)
+inline __m512i widen(const uint8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // bf16 0..15 from lo, 16..31 from hi: exact (c < 256)
+}
+
+// a block's codes of one tile -> its 16 bf16 pairs, w[p * NT + t]
+template <int BITS>
+struct Codes {
+  static constexpr int BYTES = GROUP * BITS / 8 * TILE;  // a block of a tile
+  static constexpr float BIAS = BITS == 4 ? 128.f : 0.f;  // what the expanded codes add to q
+  static void expand_tile(const uint8_t* src, __m512i* w, int t) {
+    if constexpr (BITS == 4) {
+      for (int e = 0; e < GROUP / 4; ++e) expand(src + e * 2 * TILE, &w[2 * e * NT + t], &w[(2 * e + 1) * NT + t]);
+    } else {
+      for (int p = 0; p < PAIRS; ++p) w[p * NT + t] = widen(src + p * 2 * TILE);
+    }
+  }
+};
+
+inline void store(at::BFloat16* out, __m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);  // round to nearest even
+  std::memcpy(out, &b, 32);
+}
+inline void store(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 
 // R rows x T tiles of one block (T independent sums per row in flight): acc = the pairs' dot products, then
 // y = d acc + y; y = (off - 128 d) xs + y
@@ -92,27 +124,28 @@ RowsFn rows_fn(int r, int t) {
 }
 
 // tiles t0 .. t1 - 1 of chunk c (which holds nt tiles: 4c .. 4c + nt - 1) for every row: y [M, (t1 - t0) * 16] fp32,
-// then out (bf16, round to nearest even). Each output column is computed alike whichever tiles share its call
+// then out. Each output column is computed alike whichever tiles share its call
+template <int BITS, typename Out>
 void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const at::Half* scales,
-           const float* xs, int64_t c, int nt, int t0, int t1, float* y, at::BFloat16* out) {
+           const float* xs, int64_t c, int nt, int t0, int t1, float* y, Out* out) {
+  using C = Codes<BITS>;
   const int64_t G = K / GROUP;
   const int n = t1 - t0, ystride = n * TILE;
-  const uint8_t* codes = packed + c * G * NT * GROUP / 2 * TILE;  // a block of a tile: 32 codes x 16 columns
+  const uint8_t* codes = packed + c * G * NT * C::BYTES;
   const at::Half* sc = scales + c * G * 2 * NT * TILE;
   alignas(64) __m512i w[PAIRS * NT];
   std::fill(y, y + M * ystride, 0.f);
-  for (int64_t g = 0; g < G; ++g, codes += nt * GROUP / 2 * TILE, sc += 2 * nt * TILE) {
-    for (int i = 0; i < nt * GROUP / 2 * TILE; i += 64)  // the stream AHEAD blocks on (the next chunk's, past the end)
-      _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * GROUP / 2 * TILE + i), _MM_HINT_T0);
+  for (int64_t g = 0; g < G; ++g, codes += nt * C::BYTES, sc += 2 * nt * TILE) {
+    for (int i = 0; i < nt * C::BYTES; i += 64)  // the stream AHEAD blocks on (the next chunk's, past the end)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * C::BYTES + i), _MM_HINT_T0);
     for (int i = 0; i < 2 * nt * TILE; i += 32)
       _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
     __m512 d[NT], off[NT];
     for (int t = 0; t < n; ++t) {
       d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
-      off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
+      off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
-      const uint8_t* src = codes + (t0 + t) * GROUP / 2 * TILE;
-      for (int e = 0; e < GROUP / 4; ++e) expand(src + e * 2 * TILE, &w[2 * e * NT + t], &w[(2 * e + 1) * NT + t]);
+      C::expand_tile(codes + (t0 + t) * C::BYTES, w, t);
     }
     for (int64_t m = 0; m < M; m += 4) {  // register blocks of up to 4 rows x 4 tiles
       const int r = static_cast<int>(std::min<int64_t>(4, M - m));
@@ -120,23 +153,22 @@ void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* pa
     }
   }
   for (int64_t m = 0; m < M; ++m)
-    for (int t = 0; t < n; ++t) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(y + m * ystride + t * TILE));
-      std::memcpy(out + m * N + (c * NT + t0 + t) * TILE, &v, 32);
-    }
+    for (int t = 0; t < n; ++t) store(out + m * N + (c * NT + t0 + t) * TILE, _mm512_loadu_ps(y + m * ystride + t * TILE));
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_mm: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "int4_mm: packed must be [N, K/2] uint8");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, "int4_mm: scales must be [N, K/16] fp16");
+// x @ the blocks of `packed` / `scales` -> [M, N] of Out (BITS: 4 or 8 per code)
+template <int BITS, typename Out>
+at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, op, ": packed must be [N, K * bits / 8] uint8");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, op, ": scales must be [N, K/16] fp16");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = packed.size(0), G = K / GROUP;
-  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 2 == K && scales.size(0) == N &&
+  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 8 == K * BITS && scales.size(0) == N &&
                   scales.size(1) == 2 * G,
-              "int4_mm: shapes do not match");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), "int4_mm: packed and scales must be contiguous");
-  at::Tensor out = at::empty({M, N}, xc.options());
+              op, ": shapes do not match");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), op, ": packed and scales must be contiguous");
+  at::Tensor out = at::empty({M, N}, xc.options().dtype(std::is_same_v<Out, float> ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<float> xs(M * G);  // [M, G]: each row's block sums
@@ -148,21 +180,35 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   }
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  Out* dst = out.data_ptr<Out>();
   const int64_t tiles = N / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {  // each thread an equal run of tiles, chunk by chunk
     std::vector<float> y(M * NT * TILE);
     for (int64_t c = b / NT; c * NT < e; ++c) {
       const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
-      chunk(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
-            static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), op);
+      chunk<BITS>(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
+                  static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), dst);
     }
   });
   return out;
 }
 
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return blocks_mm<4, at::BFloat16>(x, packed, scales, "int4_mm");
+}
+
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  return blocks_mm<8, float>(x, packed, scales, "q8_mm");
+}
+
 }  // namespace
 
-TORCH_LIBRARY(spork, m) { m.def("int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY(spork, m) {
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(spork, CPU, m) { m.impl("int4_mm", &int4_mm); }
+TORCH_LIBRARY_IMPL(spork, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("q8_mm", &q8_mm);
+}

@@ -52,6 +52,7 @@ def kernel() -> str:
 
 
 SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",  # as the sources define them
+           "q8_mm": "q8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",
            "attend": "attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor",
            "rms_norm": "rms_norm(Tensor x, Tensor w, float eps) -> Tensor",
            "add_rms_norm": "add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)",
@@ -105,21 +106,27 @@ def build_directory() -> Path:
 STALE_LOCK_S = 600  # a build takes ~10 s on 2 cores
 
 
-def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, K] (0..15), d and off [N, K/32] (w = d q + off, the checkpoint's fp16 values) -> packed [N, K/2]
-    uint8 and scales [N, K/16] fp16, both in int4_kernel.cpp's order: chunks of CHUNK columns, block by block."""
+def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (4 bits: 0..15; 8 bits: Q8_0's q + 128, 0..255), d and off [N, K/32] (w = d q + off with the
+    4-bit codes, d (c - 128) with the 8-bit ones: off = -128 d; the checkpoint's fp16 values) -> packed
+    [N, K * bits / 8] uint8 and scales [N, K/16] fp16, both in int4_kernel.cpp's order: chunks of CHUNK columns,
+    block by block."""
     n, k = codes.shape
     if n % TILE or k % 32:
-        raise ValueError(f"spork::int4_mm needs N a multiple of {TILE} and K of 32, not [{n}, {k}]")
+        raise ValueError(f"spork's block kernels need N a multiple of {TILE} and K of 32, not [{n}, {k}]")
     g = k // 32
-    quads = codes.astype(np.uint8).reshape(n // TILE, TILE, g, 8, 2, 2)  # [tile, j, g, e, s, h]: k = 32g + 4e + 2s + h
-    tiles = (quads[..., 0, :] | (quads[..., 1, :] << 4)).transpose(2, 0, 3, 1, 4)  # [g, tile, e, j, h]
+    if bits == 4:
+        quads = codes.astype(np.uint8).reshape(n // TILE, TILE, g, 8, 2, 2)  # [tile, j, g, e, s, h]: k = 32g + 4e + 2s + h
+        tiles = (quads[..., 0, :] | (quads[..., 1, :] << 4)).transpose(2, 0, 3, 1, 4)  # [g, tile, e, j, h]
+    else:
+        pairs = codes.astype(np.uint8).reshape(n // TILE, TILE, g, 16, 2)  # [tile, j, g, p, h]: k = 32g + 2p + h
+        tiles = pairs.transpose(2, 0, 3, 1, 4)  # [g, tile, p, j, h]
     scales = np.stack([d.T, off.T], axis=1).astype(np.float16).reshape(g, 2, n // TILE, TILE)  # [g, d|off, tile, j]
     if not (np.array_equal(scales[:, 0].reshape(g, n).astype(np.float32), d.T)
             and np.array_equal(scales[:, 1].reshape(g, n).astype(np.float32), off.T)):
-        raise ValueError("the blocks' scales are not fp16 values: spork::int4_mm would not compute their weights")
+        raise ValueError("the blocks' scales are not fp16 values: spork's kernel would not compute their weights")
     per = CHUNK // TILE
     chunks = range(0, n // TILE, per)
-    packed = np.concatenate([tiles[:, c:c + per].ravel() for c in chunks])  # each chunk [g, its tiles, e, j, h]
+    packed = np.concatenate([tiles[:, c:c + per].ravel() for c in chunks])  # each chunk [g, its tiles, e|p, j, h]
     sc = np.concatenate([scales[:, :, c:c + per].ravel() for c in chunks])  # each chunk [g, d|off, its tiles, j]
-    return torch.from_numpy(packed.reshape(n, k // 2)), torch.from_numpy(sc.reshape(n, k // 16))
+    return torch.from_numpy(packed.reshape(n, k * bits // 8)), torch.from_numpy(sc.reshape(n, k // 16))

@@ -22,7 +22,8 @@ lossless:
 - oneDNN picks another kernel for a matmul of one row than for two or more (on an AVX512-BF16 EPYC, 1 row in 4 of
   the MLP's down projection differs in the last bit), so a forward with a bf16 layer runs at least `row_floor` rows
   (B x T), padding with rows nobody reads; the LM head (bf16 in both) runs at the asked-for rows only, at least
-  `head_floor` of them. The int4 kernel computes each row alone, so an int4 body runs one row when one is asked.
+  `head_floor` of them. The int4 kernel computes each row alone, so an int4 body runs one row when one is asked;
+  so does the int4 engine's head where the checkpoint holds it as Q8_0 blocks (Q8Linear: fp32 logits).
 
   forward   ids, pos, write [B, T] (padding rows write the scratch position); mask [B, T, C] over positions ->
             logits [R, V] at the asked-for rows only (hidden [B, T, k*C'] with taps); the pool's K/V [L, slots, Hkv,
@@ -38,7 +39,8 @@ from ..errors import UserError
 from ..gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
 from ..model import Transformer
 from . import cpu_forward
-from .cpu_linears import PackedLinear, pack_linears
+from . import int4_kernel
+from .cpu_linears import PackedLinear, Q8Linear, pack_linears
 from .device_engine import DeviceEngine, Pool
 
 CTX_ROUND = 64  # a forward attends positions [0, C), C a multiple of this (each step copies that window)
@@ -105,13 +107,15 @@ class OneDnnEngine(DeviceEngine):
     chunks_apart = True  # but its attention runs [B, T]: a prompt chunk beside the trees would pad them all
 
     def __init__(self, model: Transformer, taps: tuple[int, ...] = (), blocks: dict[str, Blocks] | None = None,
-                 row_floor: int | None = None) -> None:
+                 row_floor: int | None = None, head: Blocks | None = None) -> None:
         """`blocks` (parameter name -> the checkpoint's blocks, gguf_blocks.blocks_by_parameter): the weights held
-        in 4 bits run on Int4Linear, the rest on bf16 PackedLinear. `row_floor` (default: ROW_FLOOR when a layer
-        has a bf16 matmul, else 1): rows a forward runs at least; the LM head runs at least ROW_FLOOR rows when
-        it is bf16."""
+        in 4 bits run on Int4Linear, the rest on bf16 PackedLinear; `head`: the LM head's Q8_0 blocks, run on
+        Q8Linear where spork's kernels are built. `row_floor` (default: ROW_FLOOR when a layer has a bf16 matmul,
+        else 1): rows a forward runs at least; the LM head runs at least ROW_FLOOR rows when it is bf16."""
         require_onednn()
         super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
+        if head is not None and int4_kernel.kernel() == "spork":
+            self.model.lm_head = Q8Linear(head)  # before pack_linears, which packs every nn.Linear left
         pack_linears(self.model, blocks or {})
         self.weights = cpu_forward.layer_weights(self.model)
         bf16_body = any(isinstance(m, PackedLinear) for m in self.model.layers.modules())
@@ -184,11 +188,21 @@ def window_members(slots: list[int], pad: bool = True) -> list[int | None]:
 
 
 def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
-    """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, the rest bf16)."""
-    blocks = None
-    if dtype == "int4":
-        blocks = blocks_by_parameter(ck, INT4_KINDS)  # the Q8_0 embedding / LM head stays bf16: not decoded
-        if not blocks:
-            raise UserError(f"--dtype int4 computes a GGUF checkpoint's own 4-bit blocks (Q4_0, Q4_1): {ck.path} "
-                            "has none; use --dtype bf16")
-    return OneDnnEngine(ck.model, taps, blocks)
+    """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, its Q8_0 LM head,
+    or the embedding it is tied to, on its own blocks where spork's kernels are built, the rest bf16)."""
+    if dtype != "int4":
+        return OneDnnEngine(ck.model, taps)
+    kept = blocks_by_parameter(ck, (*INT4_KINDS, "Q8_0"))
+    blocks = {name: b for name, b in kept.items() if b.kind in INT4_KINDS}
+    if not blocks:
+        raise UserError(f"--dtype int4 computes a GGUF checkpoint's own 4-bit blocks (Q4_0, Q4_1): {ck.path} "
+                        "has none; use --dtype bf16")
+    return OneDnnEngine(ck.model, taps, blocks, head=head_blocks(ck.model, kept))
+
+
+def head_blocks(model: Transformer, kept: dict[str, Blocks]) -> Blocks | None:
+    """The LM head's Q8_0 blocks: its own, or the embedding's when the head is tied to it (the same weight)."""
+    head = kept.get("lm_head.weight")
+    if head is None and "embed.weight" in kept and torch.equal(model.lm_head.weight, model.embed.weight):
+        head = kept["embed.weight"]
+    return head if head is not None and head.kind == "Q8_0" else None
