@@ -50,6 +50,10 @@ def test_it_computes_the_blocks_weights(n, k, q4_0, bits):
     want = x.double() @ torch.from_numpy(weights(codes, d, off)).t()
     tolerance = 2 ** -7 if bits == 4 else 2 ** -16  # bf16 output rounding; fp32 sums
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+    if bits == 4:  # `wide`: the same fp32 sums, not rounded
+        wide = torch.ops.spork.int4_mm(x, packed, scales, True)
+        assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), got)
+        assert (wide.double() - want).abs().max() <= 2 ** -16 * want.abs().max()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

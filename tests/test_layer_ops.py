@@ -22,16 +22,23 @@ def close(got, want):
 
 
 @pytest.mark.parametrize("c", [576, 64, 40])
-def test_rms_norm_and_its_residual_add(c):
-    x, d, w = rand(37, c), rand(37, c, seed=1), rand(c, seed=2)
+@pytest.mark.parametrize("wide", [False, True])  # the residual stream and what is added to it: bf16 or fp32
+def test_rms_norm_and_its_residual_add(c, wide):
+    x, d, w = rand(37, c).float(), rand(37, c, seed=1), rand(c, seed=2)
+    x = x + rand(37, c, seed=3).float() * 2 ** -9  # fp32 values past bf16's precision
+    d = d.float() + rand(37, c, seed=4).float() * 2 ** -9 if wide else d
     ref = lambda s: w.double() * s.double() / (s.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
-    assert close(ops.rms_norm(x, w, 1e-5), ref(x))
+    for xs in (x, x.bfloat16()):
+        got = ops.rms_norm(xs, w, 1e-5)
+        assert got.dtype == torch.bfloat16 and close(got, ref(xs))
     s, y = ops.add_rms_norm(x, d, w, 1e-5)
-    assert torch.equal(s, x + d)  # bf16 addition, rounded once: ATen's
-    assert close(y, ref(s))
+    assert s.dtype == torch.float32 and torch.equal(s, x + d.float())  # fp32 addition, the residual kept fp32
+    assert y.dtype == torch.bfloat16 and close(y, ref(s))
     for n in (1, 5):
         assert torch.equal(ops.rms_norm(x[n:n + 1], w, 1e-5), ops.rms_norm(x, w, 1e-5)[n:n + 1])
         assert torch.equal(ops.add_rms_norm(x[n:n + 1], d[n:n + 1], w, 1e-5)[1], y[n:n + 1])
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.add_rms_norm(x.bfloat16(), d, w, 1e-5)  # the residual stream is fp32
 
 
 @pytest.mark.parametrize("f", [1536, 24])

@@ -158,7 +158,9 @@ def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch
                  scales: List[torch.Tensor], parts: List[int], dims: List[int], eps: float,
                  taps: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """`layers` on spork's CPU kernels (fused_layers_available): the same model in fewer ops, other arithmetic (fp32
-    inside each op, one bf16 rounding at its end). A layer: its norm (with the residual add before it), the q/k/v
+    inside each op, one bf16 rounding at its end; the residual stream x [N, C] fp32, and the output and down
+    projections added to it in fp32 where they run on spork::int4_mm). A layer: its norm (with the residual add
+    before it), the q/k/v
     projection, rope_store (q and k rotated, k and v written into the pool [L, slots, Hkv, S, D] at `slots` [B] and
     `write` [B, T]), attend (the columns `mask` [B, T, C] gives each row, read from the pool in place), the output
     projection, the MLP norm, gate/up, silu_mul, down. cos, sin [B, T, D] fp32 (rope_tables)."""
@@ -177,10 +179,10 @@ def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch
         out = torch.ops.spork.attend(qk, h, pool_k[i], pool_v[i], slots, mask)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
-        x, y = torch.ops.spork.add_rms_norm(x, matmul(out, packed[j + parts[0]], scales[j + parts[0]], group),
+        x, y = torch.ops.spork.add_rms_norm(x, matmul(out, packed[j + parts[0]], scales[j + parts[0]], group, True),
                                             norms[2 * i + 1], eps)
         gate_up = project(y, packed, scales, j + parts[0] + 1, parts[1], group)  # [N, 2F]
-        down = matmul(torch.ops.spork.silu_mul(gate_up), packed[j + per - 1], scales[j + per - 1], group)
+        down = matmul(torch.ops.spork.silu_mul(gate_up), packed[j + per - 1], scales[j + per - 1], group, True)
         if i + 1 < n_layers:
             x, y = torch.ops.spork.add_rms_norm(x, down, norms[2 * i + 2], eps)
         else:
@@ -234,9 +236,9 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
     if weights.fused:
         cos, sin = rope_tables(pos, model.inv_freq, torch.float32)  # [B, 1, T, D]: [B, T, D] in memory
-        x, tapped = scripted(True)(x, real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v, kv.slots,
-                                   kv.write, weights.norms, weights.packed, weights.scales, weights.parts,
-                                   weights.dims, weights.eps, list(taps))
+        x, tapped = scripted(True)(x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v,
+                                   kv.slots, kv.write, weights.norms, weights.packed, weights.scales, weights.parts,
+                                   weights.dims, weights.eps, list(taps))  # x [N, C] fp32
     else:
         cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
         bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
@@ -247,4 +249,6 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     after = dict(zip(sorted(set(taps)), tapped))  # layer -> hidden [N, C] (`layers` returns them in layer order)
     hidden = torch.cat([after[k] for k in taps], dim=-1) if taps else None  # [N, k*C]
     x = x[logit_rows]  # [R, C]
-    return ModelOutput(logits=model.lm_head(rms(x, model.norm.weight, model.norm.eps)), hidden=hidden)
+    normed = (torch.ops.spork.rms_norm(x, model.norm.weight, model.norm.eps) if weights.fused
+              else rms(x, model.norm.weight, model.norm.eps))  # [R, C] bf16
+    return ModelOutput(logits=model.lm_head(normed), hidden=hidden)

@@ -27,13 +27,15 @@ PACK_ROWS = 2  # the row count oneDNN's weight layout is chosen for
 NO_SCALES = torch.empty(0)  # a PackedLinear's `scales`: its weight is bf16
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """x [N, in] bf16 -> [N, out] bf16: a PackedLinear's weight (`scales` empty) or an Int4Linear's blocks of
-    `group` weights. TorchScript-compatible: engines/cpu_forward.py runs it inside its scripted layers."""
+def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+           wide: bool = False) -> torch.Tensor:
+    """x [N, in] bf16 -> [N, out] bf16 (fp32 with `wide` on spork::int4_mm: a sum into the fp32 residual stream): a
+    PackedLinear's weight (`scales` empty) or an Int4Linear's blocks of `group` weights. TorchScript-compatible:
+    engines/cpu_forward.py runs it inside its scripted layers."""
     if scales.numel() == 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if scales.dtype == torch.float16:  # packed for spork::int4_mm (int4_kernel.py)
-        return torch.ops.spork.int4_mm(x, packed, scales)
+        return torch.ops.spork.int4_mm(x, packed, scales, wide)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
 

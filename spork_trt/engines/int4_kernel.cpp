@@ -1,5 +1,6 @@
 // spork::int4_mm and spork::q8_mm: x [M, K] bf16 @ a checkpoint's 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) blocks ->
-// [M, N], bf16 (int4_mm, a layer's projections) or fp32 (q8_mm, the LM head's logits), on AVX512-BF16.
+// [M, N], bf16 (int4_mm, a layer's projections; fp32 with `wide`, those added to the residual stream) or
+// fp32 (q8_mm, the LM head's logits), on AVX512-BF16.
 //
 // Each output is computed by the same instructions whatever M, whichever thread and whichever row block holds its
 // row, so a row gives the same bits alone, in a chain or in a batch (row-invariant by construction):
@@ -193,8 +194,9 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  return blocks_mm<4, at::BFloat16>(x, packed, scales, "int4_mm");
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide) {
+  return wide ? blocks_mm<4, float>(x, packed, scales, "int4_mm") : blocks_mm<4, at::BFloat16>(x, packed, scales,
+                                                                                             "int4_mm");
 }
 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
@@ -204,7 +206,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(spork, m) {
-  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, bool wide=False) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 }
 

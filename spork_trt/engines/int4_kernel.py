@@ -51,7 +51,8 @@ def kernel() -> str:
     return "spork" if built else "aten"
 
 
-SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",  # as the sources define them
+# as the sources define them
+SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales, bool wide=False) -> Tensor",
            "q8_mm": "q8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor",
            "attend": "attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor",
            "rms_norm": "rms_norm(Tensor x, Tensor w, float eps) -> Tensor",

@@ -1,11 +1,11 @@
 // The CPU torch engine's small ops between its matmuls, one native op each where the layer ran 3-8 ATen ops (each a
 // few microseconds of dispatch: most of a one-token forward's time outside the matmuls). Every row is computed by
 // the same instructions whatever the number of rows and the thread (row-invariant by construction), in fp32, with
-// one rounding to bf16 at the end:
+// one rounding to bf16 at the end; the residual stream stays fp32 (only what a matmul reads is rounded to bf16):
 //
-//   rms_norm      x [N, C], w [C] -> w x / sqrt(mean(x^2) + eps)           (the sum of squares: 16 lanes, then a
-//                                                                          fixed reduction)
-//   add_rms_norm  x, d [N, C], w -> (s = x + d, rms_norm(s))                (the residual stream stays bf16)
+//   rms_norm      x [N, C] fp32 or bf16, w [C] -> w x / sqrt(mean(x^2) + eps), bf16   (the sum of squares: 16
+//                                                                          lanes, then a fixed reduction)
+//   add_rms_norm  x [N, C] fp32, d [N, C] fp32 or bf16, w -> (s = x + d fp32, rms_norm(s) bf16)
 //   rope_store    qkv [B*T, (H + 2 Hkv) D], cos, sin [B, T, D] fp32 (sin's first half negated) -> qk [B, H + Hkv,
 //                 T, D]: q and k rotated (x cos + roll(x, D/2) sin); k and v written into the pool [slots, Hkv, S, D]
 //                 at each sequence's slot and each row's write position [B, T]
@@ -38,48 +38,72 @@ void check_rows(const at::Tensor& x, const char* name) {
               ": x [N, C], contiguous bf16");
 }
 
+// 16 values of a row, bf16 or fp32, as fp32 (the first `n`)
+inline __m512 load(const uint16_t* p, __mmask16 n) { return load_bf16(p, n); }
+inline __m512 load(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+
 // one row: y = w x / sqrt(mean(x^2) + eps)
-void norm_row(const uint16_t* x, const uint16_t* w, int64_t c, float eps, uint16_t* y) {
+template <typename In>
+void norm_row(const In* x, const uint16_t* w, int64_t c, float eps, uint16_t* y) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < c; i += 16) {
-    const __m512 v = load_bf16(x + i, first(c - i));
+    const __m512 v = load(x + i, first(c - i));
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(c) + eps));
   for (int64_t i = 0; i < c; i += 16)
-    store_bf16(y + i, _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + i, first(c - i)), r), load_bf16(w + i, first(c - i))),
+    store_bf16(y + i, _mm512_mul_ps(_mm512_mul_ps(load(x + i, first(c - i)), r), load_bf16(w + i, first(c - i))),
                first(c - i));
 }
 
+void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "spork::", name, ": x [N, C], contiguous fp32 or bf16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == x.size(1), "spork::", name,
+              ": w [C] bf16");
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_rows(x, "rms_norm");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == x.size(1),
-              "spork::rms_norm: w [C] bf16");
+  check_norm(x, w, "rms_norm");
   const int64_t c = x.size(1);
-  at::Tensor y = at::empty_like(x);
-  const uint16_t *xp = bf16_in(x), *wp = bf16_in(w);
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const uint16_t* wp = bf16_in(w);
   uint16_t* yp = bf16_out(y);
+  const bool wide = x.scalar_type() == at::kFloat;
   at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) norm_row(xp + n * c, wp, c, static_cast<float>(eps), yp + n * c);
+    for (int64_t n = b; n < e; ++n) {
+      if (wide) norm_row(x.data_ptr<float>() + n * c, wp, c, static_cast<float>(eps), yp + n * c);
+      else norm_row(bf16_in(x) + n * c, wp, c, static_cast<float>(eps), yp + n * c);
+    }
   });
   return y;
 }
 
+// s = x + d over one row of c (d fp32 or bf16)
+template <typename D>
+void add_row(const float* x, const D* d, int64_t c, float* s) {
+  for (int64_t i = 0; i < c; i += 16)
+    _mm512_mask_storeu_ps(s + i, first(c - i), _mm512_add_ps(load(x + i, first(c - i)), load(d + i, first(c - i))));
+}
+
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
                                                 double eps) {
-  check_rows(x, "add_rms_norm");
-  check_rows(d, "add_rms_norm");
-  TORCH_CHECK(d.sizes() == x.sizes() && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
-              w.numel() == x.size(1), "spork::add_rms_norm: x, d [N, C], w [C] bf16");
+  check_norm(x, w, "add_rms_norm");
+  check_norm(d, w, "add_rms_norm");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && d.sizes() == x.sizes(),
+              "spork::add_rms_norm: x [N, C] fp32 (the residual stream), d [N, C]");
   const int64_t c = x.size(1);
-  at::Tensor s = at::empty_like(x), y = at::empty_like(x);
-  const uint16_t *xp = bf16_in(x), *dp = bf16_in(d), *wp = bf16_in(w);
-  uint16_t *sp = bf16_out(s), *yp = bf16_out(y);
+  at::Tensor s = at::empty_like(x), y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = bf16_in(w);
+  float* sp = s.data_ptr<float>();
+  uint16_t* yp = bf16_out(y);
+  const bool wide = d.scalar_type() == at::kFloat;
   at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
-      for (int64_t i = 0; i < c; i += 16)
-        store_bf16(sp + n * c + i, _mm512_add_ps(load_bf16(xp + n * c + i, first(c - i)),
-                                                 load_bf16(dp + n * c + i, first(c - i))), first(c - i));
+      if (wide) add_row(xp + n * c, d.data_ptr<float>() + n * c, c, sp + n * c);
+      else add_row(xp + n * c, bf16_in(d) + n * c, c, sp + n * c);
       norm_row(sp + n * c, wp, c, static_cast<float>(eps), yp + n * c);
     }
   });
