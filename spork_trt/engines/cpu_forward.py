@@ -160,10 +160,10 @@ def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch
     """`layers` on spork's CPU kernels (fused_layers_available): the same model in fewer ops, other arithmetic (fp32
     inside each op, one bf16 rounding at its end; the residual stream x [N, C] fp32, and the output and down
     projections added to it in fp32 where they run on spork::int4_mm). A layer: its norm (with the residual add
-    before it), the q/k/v
-    projection, rope_store (q and k rotated, k and v written into the pool [L, slots, Hkv, S, D] at `slots` [B] and
-    `write` [B, T]), attend (the columns `mask` [B, T, C] gives each row, read from the pool in place), the output
-    projection, the MLP norm, gate/up, silu_mul, down. cos, sin [B, T, D] fp32 (rope_tables)."""
+    before it), the q/k/v projection, rope_store (q and k rotated, k and v written into the pool [L, slots, Hkv, S,
+    D] at `slots` [B] and `write` [B, T]), attend (the columns `mask` [B, T, C] gives each row, read from the pool
+    in place), the output projection, the MLP norm, gate/up, silu_mul, down. cos, sin [B, T, D] fp32
+    (rope_tables)."""
     padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, group = dims[0], dims[3]
     per = parts[0] + parts[1] + 2  # projections a layer has

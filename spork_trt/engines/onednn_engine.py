@@ -38,8 +38,7 @@ import torch
 from ..errors import UserError
 from ..gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
 from ..model import Transformer
-from . import cpu_forward
-from . import int4_kernel
+from . import cpu_forward, int4_kernel
 from .cpu_linears import PackedLinear, Q8Linear, pack_linears
 from .device_engine import DeviceEngine, Pool
 
