@@ -70,11 +70,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
   const uint16_t* wp = bf16_in(w);
   uint16_t* yp = bf16_out(y);
-  const bool wide = x.scalar_type() == at::kFloat;
+  const float* wide = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;  // else bf16
+  const uint16_t* narrow = wide ? nullptr : bf16_in(x);
   at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
-      if (wide) norm_row(x.data_ptr<float>() + n * c, wp, c, static_cast<float>(eps), yp + n * c);
-      else norm_row(bf16_in(x) + n * c, wp, c, static_cast<float>(eps), yp + n * c);
+      if (wide) norm_row(wide + n * c, wp, c, static_cast<float>(eps), yp + n * c);
+      else norm_row(narrow + n * c, wp, c, static_cast<float>(eps), yp + n * c);
     }
   });
   return y;
@@ -99,11 +100,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const uint16_t* wp = bf16_in(w);
   float* sp = s.data_ptr<float>();
   uint16_t* yp = bf16_out(y);
-  const bool wide = d.scalar_type() == at::kFloat;
+  const float* wide = d.scalar_type() == at::kFloat ? d.data_ptr<float>() : nullptr;  // else bf16
+  const uint16_t* narrow = wide ? nullptr : bf16_in(d);
   at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
-      if (wide) add_row(xp + n * c, d.data_ptr<float>() + n * c, c, sp + n * c);
-      else add_row(xp + n * c, bf16_in(d) + n * c, c, sp + n * c);
+      if (wide) add_row(xp + n * c, wide + n * c, c, sp + n * c);
+      else add_row(xp + n * c, narrow + n * c, c, sp + n * c);
       norm_row(sp + n * c, wp, c, static_cast<float>(eps), yp + n * c);
     }
   });
