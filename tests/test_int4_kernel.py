@@ -50,6 +50,8 @@ def test_it_computes_the_blocks_weights(n, k, q4_0, bits):
     want = x.double() @ torch.from_numpy(weights(codes, d, off)).t()
     tolerance = 2 ** -7 if bits == 4 else 2 ** -16  # bf16 output rounding; fp32 sums
     assert (got.double() - want).abs().max() <= tolerance * want.abs().max()
+    for m in (1, 2):  # a row or two: blocks in pairs, an odd count's last alone (k = 96: 3 blocks)
+        assert torch.equal(getattr(torch.ops.spork, MM[bits])(x[:m], packed, scales), got[:m])
     if bits == 4:  # `wide`: the same fp32 sums, not rounded
         wide = torch.ops.spork.int4_mm(x, packed, scales, True)
         assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), got)
@@ -67,7 +69,7 @@ def test_a_row_is_the_same_bits_at_any_row_count_position_and_thread_count(bits)
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
-            for m in (2, 3, 5, 16, 37):  # every register-block tail, rows at every position in a block
+            for m in (2, 3, 4, 5, 8, 9, 16, 37):  # each path (up to 8 rows, more), every register-block tail
                 for s in (0, 37 - m):
                     assert torch.equal(mm(x[s:s + m], packed, scales), alone[s:s + m])
     finally:
