@@ -1,7 +1,7 @@
 """spork::attend (engines/attention_kernel.cpp): the CPU torch engine's attention read from the pool in place. It must
 compute softmax(q k^T / sqrt(D)) v over the columns each row attends (against a float64 reference), and give a row
 the same bits alone, in a chain, in a batch, in a wider window, with its keys at other columns (a tree's), on one
-thread or two, and by either of its two P @ V loops (rows <= 8 per item: d in lanes; more: rows in lanes)."""
+thread or two, and whichever rows share its work item (8 rows of one sequence and KV head)."""
 from __future__ import annotations
 
 import math
@@ -68,7 +68,7 @@ def test_a_row_alone_equals_the_row_in_its_batch_its_chain_and_a_wider_window(sh
 
 def test_a_row_gives_the_same_bits_with_its_keys_at_other_columns():
     """A tree's node attends its ancestors at other columns than the same tokens in a chain, with unattended
-    columns between them; it is computed alone (d in lanes) and among 40 rows (rows in lanes)."""
+    columns between them; it is computed alone and among 40 rows (in another work item's place)."""
     d, heads, hkv = 64, 9, 3
     g = torch.Generator().manual_seed(3)
     pk, pv = torch.randn(2, hkv, 200, d, generator=g).bfloat16(), torch.randn(2, hkv, 200, d, generator=g).bfloat16()

@@ -33,7 +33,8 @@ namespace {
 using spork_simd::exp_ps;
 
 constexpr int LANES = 16;  // fp32 lanes of a zmm: keys scored at once
-constexpr int ROWS = 16;   // query rows of one sequence and KV head that one work item computes
+constexpr int ROWS = 8;    // query rows of one sequence and KV head that one work item computes (16, half
+                           // of them with P @ V's rows in lanes, ran slower at every shape measured)
 constexpr int MAX_D = 128;
 
 // r[i] (16 dwords each) -> r[i] holds dword i of every input, in input order (a 16 x 16 transpose)
@@ -197,70 +198,18 @@ void weigh(const float* e, int64_t stride, int64_t top, int n, const uint16_t* v
   }
 }
 
-// weigh's arithmetic with the rows in lanes, for n > 8 rows (prefill): each v[j][d] read once as an fp32 broadcast
-// for 16 rows (weigh reads it per row); the same fmas and sums, in the same order, so the same bits. kt, vt: scratch
-// of top x 16 and top x 16 * NV floats
-template <int NV>
-void weigh_lanes(const float* e, int64_t stride, int64_t top, int n, const uint16_t* values, int64_t d,
-                 uint16_t* const* out, float* pt, float* vt) {
-  const __mmask16 tail = static_cast<__mmask16>((1u << (d - (NV - 1) * LANES)) - 1);
-  for (int64_t j0 = 0; j0 < top; j0 += LANES) {  // pt[j] = the 16 rows' e[., j]; vt[j] = v[j] in fp32
-    __m512 block[LANES];
-    for (int r = 0; r < LANES; ++r) block[r] = _mm512_loadu_ps(e + r * stride + j0);
-    transpose16(block);
-    for (int l = 0; l < LANES && j0 + l < top; ++l) _mm512_store_ps(pt + (j0 + l) * LANES, block[l]);
-  }
-  for (int64_t j = 0; j < top; ++j) {
-    for (int64_t l = 0; l < d; l += 32)
-      _mm_prefetch(reinterpret_cast<const char*>(values + (j + 24) * d + l), _MM_HINT_T0);
-    for (int c = 0; c < NV; ++c) {
-      const __m256i raw = _mm256_maskz_loadu_epi16(c + 1 < NV ? 0xFFFF : tail, values + j * d + c * LANES);
-      _mm512_store_ps(vt + (j * NV + c) * LANES,
-                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-    }
-  }
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j = 0; j < top; ++j) sums = _mm512_add_ps(sums, _mm512_load_ps(pt + j * LANES));
-  for (int c = 0; c < NV; ++c) {
-    __m512 acc[LANES];  // acc[i]: d = 16 c + i of the 16 rows
-    for (int i = 0; i < LANES; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < top; ++j) {
-      const __m512 p = _mm512_load_ps(pt + j * LANES);
-      const float* v = vt + (j * NV + c) * LANES;
-#pragma GCC unroll 16
-      for (int i = 0; i < LANES; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(v[i]), acc[i]);
-    }
-    transpose16(acc);  // acc[r]: row r's 16 values
-    alignas(64) float total[LANES];
-    _mm512_store_ps(total, sums);
-    for (int r = 0; r < n; ++r)
-      _mm256_mask_storeu_epi16(out[r] + c * LANES, c + 1 < NV ? 0xFFFF : tail,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(acc[r], _mm512_set1_ps(total[r]))));
-  }
-}
-
 using Weigh = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*);
-using WeighLanes = void (*)(const float*, int64_t, int64_t, int, const uint16_t*, int64_t, uint16_t* const*, float*,
-                            float*);
 
-struct Weighers {  // P @ V for a head size: d in lanes (few rows), rows in lanes (more than 8)
-  Weigh rows;
-  WeighLanes lanes;
-};
-
-template <int NV>
-Weighers weighers_of() { return {weigh<NV>, weigh_lanes<NV>}; }
-
-Weighers weighers(int64_t d) {
+Weigh weigher(int64_t d) {  // P @ V for a head size
   switch ((d + LANES - 1) / LANES) {
-    case 1: return weighers_of<1>();
-    case 2: return weighers_of<2>();
-    case 3: return weighers_of<3>();
-    case 4: return weighers_of<4>();
-    case 5: return weighers_of<5>();
-    case 6: return weighers_of<6>();
-    case 7: return weighers_of<7>();
-    default: return weighers_of<8>();
+    case 1: return weigh<1>;
+    case 2: return weigh<2>;
+    case 3: return weigh<3>;
+    case 4: return weigh<4>;
+    case 5: return weigh<5>;
+    case 6: return weigh<6>;
+    case 7: return weigh<7>;
+    default: return weigh<8>;
   }
 }
 
@@ -288,9 +237,9 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
   for (int64_t i = 0; i < b; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_k.size(0), "spork::attend: slot out of range");
   const int64_t blocks = (g * t + ROWS - 1) / ROWS, w = d / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const Weighers weigh = weighers(d);
+  const Weigh weigh = weigher(d);
   at::parallel_for(0, b * hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc, lanes;
+    std::vector<float> sc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / (hkv * blocks), h = item / blocks % hkv, r0 = item % blocks * ROWS;
       const int n = static_cast<int>(std::min<int64_t>(ROWS, g * t - r0));
@@ -308,7 +257,7 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
         top = std::max(top, hi[r]);
       }
       const int64_t stride = (top + LANES - 1) / LANES * LANES;
-      sc.assign(static_cast<size_t>(ROWS * stride), 0.0f);  // rows past n stay 0 (weigh.lanes reads all 16)
+      sc.resize(static_cast<size_t>(n * stride));
       const int64_t base = (sp[seq] * hkv + h) * s_len * d;
       for (int64_t l = 0; l < std::min<int64_t>(top, 4 * LANES) * d; l += 32) {  // the streams' heads (the loops
         _mm_prefetch(reinterpret_cast<const char*>(kp + base + l), _MM_HINT_T0);  // prefetch ahead of themselves)
@@ -319,13 +268,7 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
         softmax_terms(sc.data() + r * stride, m[r], hi[r]);
         std::fill(sc.begin() + r * stride + hi[r], sc.begin() + (r + 1) * stride, 0.0f);
       }
-      if (n > 8) {  // rows in lanes: the same bits, fewer instructions per row
-        lanes.resize(static_cast<size_t>(stride * LANES * (1 + (d + LANES - 1) / LANES)) + LANES);
-        float* pt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(lanes.data()) + 63) & ~uintptr_t{63});
-        weigh.lanes(sc.data(), stride, top, n, vp + base, d, o, pt, pt + stride * LANES);
-      } else {
-        weigh.rows(sc.data(), stride, top, n, vp + base, d, o);
-      }
+      weigh(sc.data(), stride, top, n, vp + base, d, o);
     }
   });
   return out;
