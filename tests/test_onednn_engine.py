@@ -186,7 +186,8 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logit
     on the real rows only (packed): the same logits and tapped hidden states at those rows, bit for bit, as
     model.Transformer.forward over the same packed modules, pool and window, which computes every row. On spork's
     CPU kernels (fused_layers, where built: other arithmetic, fp32 inside each op and a fp32 residual stream), the
-    fp32 model's argmax, and nearer its logits than ATen's bf16 path."""
+    fp32 model's argmax, and nearer its logits than ATen's bf16 path; on int4 as one native op (spork::int4_layers),
+    fused_layers' bits: logits, tapped hidden states and the K/V rows written."""
     import dataclasses
 
     from spork_trt.engines import cpu_forward
@@ -195,7 +196,8 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logit
     assert isinstance(cpu_forward.scripted(False), torch.jit.ScriptFunction)  # not the Python fallback
     assert isinstance(cpu_forward.scripted(True), torch.jit.ScriptFunction)
     engine = engines[dtype]
-    weights = dataclasses.replace(engine.weights, fused=False)
+    weights = dataclasses.replace(engine.weights, fused=False, native=False)
+    scripted = dataclasses.replace(engine.weights, native=False)  # fused_layers by TorchScript
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 49152, (2, 5), generator=g)
     pos = torch.arange(5).repeat(2, 1)
@@ -207,11 +209,13 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logit
                                                torch.arange(len(real)), torch.tensor(real)),
                 lambda kv: engine.model(ids, pos, mask, kv=kv, taps=taps, logit_rows=torch.tensor(real)),
                 lambda kv: cpu_forward.forward(engine.model, engine.weights, ids, pos, mask, kv, taps,
+                                               torch.arange(len(real)), torch.tensor(real)),
+                lambda kv: cpu_forward.forward(engine.model, scripted, ids, pos, mask, kv, taps,
                                                torch.arange(len(real)), torch.tensor(real))):
         pool = engine.make_pool(3, 256).caches[0].device_slot[0]
         with torch.inference_mode():
-            out.append(run(WindowKV(pool, slots, write, 64)))
-    lean, model, fused = out
+            out.append((run(WindowKV(pool, slots, write, 64)), pool))
+    (lean, _), (model, _), (fused, pool), (script, script_pool) = out
     assert torch.equal(lean.logits, model.logits)
     assert torch.equal(lean.hidden, model.hidden.reshape(10, -1)[real])  # [N, k*C]
     if engine.weights.fused:
@@ -219,6 +223,9 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logit
         near = (fused.logits.float() - ref).abs().mean()  # measured 0.13-0.15 (logits up to ~25)
         assert near < 0.5 * (model.logits.float() - ref).abs().mean()  # measured 0.69-0.70: bf16 residual stream
         assert torch.equal(fused.logits.argmax(-1), ref.argmax(-1))
+    assert engine.weights.native == (dtype == "int4" and engine.weights.fused)
+    assert torch.equal(fused.logits, script.logits) and torch.equal(fused.hidden, script.hidden)
+    assert torch.equal(pool.k, script_pool.k) and torch.equal(pool.v, script_pool.v)
 
 
 @pytest.fixture(scope="module")

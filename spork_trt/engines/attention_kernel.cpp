@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "spork_ops.h"
 
 namespace {
 
@@ -213,6 +214,10 @@ Weigh weigher(int64_t d) {  // P @ V for a head size
   }
 }
 
+}  // namespace
+
+namespace spork_ops {
+
 at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k, const at::Tensor& pool_v,
                   const at::Tensor& slots, const at::Tensor& mask) {
   TORCH_CHECK(qk.dim() == 4 && pool_k.dim() == 4 && mask.dim() == 3, "spork::attend: qk [B, H + Hkv, T, D], pools "
@@ -274,10 +279,10 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
   return out;
 }
 
-}  // namespace
+}  // namespace spork_ops
 
 TORCH_LIBRARY_FRAGMENT(spork, m) {
   m.def("attend(Tensor qk, int heads, Tensor pool_k, Tensor pool_v, Tensor slots, Tensor mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(spork, CPU, m) { m.impl("attend", &attend); }
+TORCH_LIBRARY_IMPL(spork, CPU, m) { m.impl("attend", &spork_ops::attend); }

@@ -9,7 +9,9 @@ of Python (a one-token int4 forward 9.3 -> 7.2 ms, docs/engines.md). Where scrip
 function runs in Python. Where spork's CPU kernels are built, `fused_layers` runs instead: the same model on our own
 attention (the pool read in place) and one native op for each run of small ops (engines/layer_ops.cpp), about 12
 ops a layer instead of about 35 (a one-token int4 forward 6.8 -> 3.9 ms), with other arithmetic (fp32 inside each
-op), so other tokens than `layers`: a process runs one or the other (fused_layers_available).
+op), so other tokens than `layers`: a process runs one or the other (fused_layers_available). On int4 weights
+packed for spork::int4_mm, `fused_layers`' ops run as one native op, spork::int4_layers (engines/layers_op.cpp:
+the same calls in the same order, so the same bits, without the interpreter between them).
 
 Rows are packed: the linear layers, norms and residual stream run on the N real rows of a forward only (`real`,
 their flat indices b * T + t in the padded [B, T] layout), the attention on the padded layout (each row's q, k, v
@@ -66,6 +68,7 @@ class LayerWeights:
     dims: list[int]  # [H, Hkv, D, weights per int4 block, attend's chunk] (TorchScript reads no globals)
     eps: float
     fused: bool  # the layers on spork's CPU kernels (fused_layers), else ATen's ops (layers)
+    native: bool  # fused, every projection on spork::int4_mm, q/k/v and gate/up fused: spork::int4_layers runs them
 
 
 def layer_weights(model: Transformer) -> LayerWeights:
@@ -78,9 +81,13 @@ def layer_weights(model: Transformer) -> LayerWeights:
         norms += [blk.attn_norm.weight, blk.mlp_norm.weight]
         linears += [*qkv, a.wo, *gate_up, m.down]
     a = model.layers[0].attn
-    return LayerWeights(norms, [lin.packed for lin in linears], [lin.scales for lin in linears],
-                        [len(qkv), len(gate_up)], [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK],
-                        model.layers[0].attn_norm.eps, fused_layers_available(a.head_dim))
+    fused = fused_layers_available(a.head_dim)
+    scales = [lin.scales for lin in linears]
+    native = (fused and len(qkv) == 1 and len(gate_up) == 1
+              and all(sc.dtype == torch.float16 and sc.numel() > 0 for sc in scales))  # int4_kernel.pack's
+    return LayerWeights(norms, [lin.packed for lin in linears], scales, [len(qkv), len(gate_up)],
+                        [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK], model.layers[0].attn_norm.eps, fused,
+                        native)
 
 
 def fused_layers_available(head_dim: int) -> bool:
@@ -234,8 +241,13 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     b, t = ids.shape
     real = torch.arange(b * t) if real is None else real  # [N]
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
-    if weights.fused:
+    if weights.native:
         cos, sin = rope_tables(pos, model.inv_freq, torch.float32)  # [B, 1, T, D]: [B, T, D] in memory
+        x, tapped = torch.ops.spork.int4_layers(x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k,
+                                                kv.pool.v, kv.slots, kv.write, weights.norms, weights.packed,
+                                                weights.scales, weights.dims[0], weights.eps, list(taps))
+    elif weights.fused:
+        cos, sin = rope_tables(pos, model.inv_freq, torch.float32)
         x, tapped = scripted(True)(x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v,
                                    kv.slots, kv.write, weights.norms, weights.packed, weights.scales, weights.parts,
                                    weights.dims, weights.eps, list(taps))  # x [N, C] fp32

@@ -37,6 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "spork_ops.h"
+
 namespace {
 
 constexpr int TILE = 16;   // columns in a zmm of fp32
@@ -197,7 +199,6 @@ FewRowsFn few_rows_fn(int t) {
   }
 }
 
-
 // `chunk` for R <= 4 rows: tiles t0 .. t0 + n - 1, NB blocks at a time
 template <int BITS, int R, int NB>
 void few(const uint16_t* x, int64_t K, const uint8_t* codes, const at::Half* sc, int nt, int t0, int n,
@@ -318,6 +319,10 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
+}  // namespace
+
+namespace spork_ops {
+
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide) {
   return wide ? blocks_mm<4, float>(x, packed, scales, "int4_mm") : blocks_mm<4, at::BFloat16>(x, packed, scales,
                                                                                              "int4_mm");
@@ -327,7 +332,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   return blocks_mm<8, float>(x, packed, scales, "q8_mm");
 }
 
-}  // namespace
+}  // namespace spork_ops
 
 TORCH_LIBRARY(spork, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, bool wide=False) -> Tensor");
@@ -335,6 +340,6 @@ TORCH_LIBRARY(spork, m) {
 }
 
 TORCH_LIBRARY_IMPL(spork, CPU, m) {
-  m.impl("int4_mm", &int4_mm);
-  m.impl("q8_mm", &q8_mm);
+  m.impl("int4_mm", &spork_ops::int4_mm);
+  m.impl("q8_mm", &spork_ops::q8_mm);
 }

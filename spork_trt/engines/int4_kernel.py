@@ -3,7 +3,8 @@ against bf16 activations with AVX512-BF16 dot products, every row by the same in
 construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
 a process asks (about 20 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
 `make setup` builds it. The same library holds spork::attend (attention_kernel.cpp), which the engine's layers use
-wherever it is built, with its small ops in layer_ops.cpp (cpu_forward.fused_layers).
+wherever it is built, with its small ops in layer_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on
+the int4 kernels as one op (layers_op.cpp: spork::int4_layers).
 
 Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
@@ -22,8 +23,10 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
-SOURCES = [SOURCE, *(Path(__file__).with_name(f) for f in ("attention_kernel.cpp", "layer_ops.cpp"))]  # one library
-HEADERS = [Path(__file__).with_name("cpu_simd.h")]  # what the sources include (torch's loader hashes sources only)
+SOURCES = [SOURCE, *(Path(__file__).with_name(f) for f in ("attention_kernel.cpp", "layer_ops.cpp",
+                                                          "layers_op.cpp"))]  # one library
+# what the sources include (torch's loader hashes sources only)
+HEADERS = [Path(__file__).with_name(h) for h in ("cpu_simd.h", "spork_ops.h")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
          "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
 TILE = 16  # columns per tile of the packed layout
@@ -59,7 +62,10 @@ SCHEMAS = {"int4_mm": "int4_mm(Tensor x, Tensor packed, Tensor scales, bool wide
            "add_rms_norm": "add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)",
            "rope_store": "rope_store(Tensor qkv, Tensor cos, Tensor sin, int heads, Tensor(a!) pool_k, "
                          "Tensor(b!) pool_v, Tensor slots, Tensor write) -> Tensor",
-           "silu_mul": "silu_mul(Tensor gu) -> Tensor"}
+           "silu_mul": "silu_mul(Tensor gu) -> Tensor",
+           "int4_layers": "int4_layers(Tensor x, Tensor real, int b, int t, Tensor cos, Tensor sin, Tensor mask, "
+                          "Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor slots, Tensor write, Tensor[] norms, "
+                          "Tensor[] packed, Tensor[] scales, int heads, float eps, int[] taps) -> (Tensor, Tensor[])"}
 PLACEHOLDER: list = []
 
 

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "cpu_simd.h"
+#include "spork_ops.h"
 
 namespace {
 
@@ -64,6 +65,30 @@ void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
               ": w [C] bf16");
 }
 
+// s = x + d over one row of c (d fp32 or bf16)
+template <typename D>
+void add_row(const float* x, const D* d, int64_t c, float* s) {
+  for (int64_t i = 0; i < c; i += 16)
+    _mm512_mask_storeu_ps(s + i, first(c - i), _mm512_add_ps(load(x + i, first(c - i)), load(d + i, first(c - i))));
+}
+
+// x [D] bf16 rotated by cos, sin [D] (sin's first half negated) -> out [D] bf16
+void rotate(const uint16_t* x, const float* cs, const float* sn, int64_t d, uint16_t* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = first(half - i);
+    const __m512 lo = load_bf16(x + i, m), hi = load_bf16(x + half + i, m);
+    store_bf16(out + i, _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m, sn + i),
+                                        _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(m, cs + i))), m);
+    store_bf16(out + half + i, _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m, sn + half + i),
+                                               _mm512_mul_ps(hi, _mm512_maskz_loadu_ps(m, cs + half + i))), m);
+  }
+}
+
+}  // namespace
+
+namespace spork_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm(x, w, "rms_norm");
   const int64_t c = x.size(1);
@@ -79,13 +104,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     }
   });
   return y;
-}
-
-// s = x + d over one row of c (d fp32 or bf16)
-template <typename D>
-void add_row(const float* x, const D* d, int64_t c, float* s) {
-  for (int64_t i = 0; i < c; i += 16)
-    _mm512_mask_storeu_ps(s + i, first(c - i), _mm512_add_ps(load(x + i, first(c - i)), load(d + i, first(c - i))));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
@@ -110,19 +128,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     }
   });
   return {s, y};
-}
-
-// x [D] bf16 rotated by cos, sin [D] (sin's first half negated) -> out [D] bf16
-void rotate(const uint16_t* x, const float* cs, const float* sn, int64_t d, uint16_t* out) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = first(half - i);
-    const __m512 lo = load_bf16(x + i, m), hi = load_bf16(x + half + i, m);
-    store_bf16(out + i, _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(m, sn + i),
-                                        _mm512_mul_ps(lo, _mm512_maskz_loadu_ps(m, cs + i))), m);
-    store_bf16(out + half + i, _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(m, sn + half + i),
-                                               _mm512_mul_ps(hi, _mm512_maskz_loadu_ps(m, cs + half + i))), m);
-  }
 }
 
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
@@ -191,7 +196,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-}  // namespace
+}  // namespace spork_ops
 
 TORCH_LIBRARY_FRAGMENT(spork, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -202,8 +207,8 @@ TORCH_LIBRARY_FRAGMENT(spork, m) {
 }
 
 TORCH_LIBRARY_IMPL(spork, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_store", &rope_store);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &spork_ops::rms_norm);
+  m.impl("add_rms_norm", &spork_ops::add_rms_norm);
+  m.impl("rope_store", &spork_ops::rope_store);
+  m.impl("silu_mul", &spork_ops::silu_mul);
 }

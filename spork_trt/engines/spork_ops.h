@@ -1,0 +1,23 @@
+// spork's CPU ops as C++ functions (int4_kernel.cpp, attention_kernel.cpp, layer_ops.cpp define them; each file's
+// header says what they compute), for layers_op.cpp to call without the dispatcher between them.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace spork_ops {
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide);
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k, const at::Tensor& pool_v,
+                  const at::Tensor& slots, const at::Tensor& mask);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
+                                                double eps);
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                      const at::Tensor& pool_k, const at::Tensor& pool_v, const at::Tensor& slots,
+                      const at::Tensor& write);
+at::Tensor silu_mul(const at::Tensor& gu);
+
+}  // namespace spork_ops
