@@ -207,7 +207,7 @@ void few(const uint16_t* x, int64_t K, const uint8_t* codes, const at::Half* sc,
   const int64_t G = K / GROUP, stride = nt * C::BYTES, sstride = 2 * nt * TILE;
   const FewRowsFn all = few_rows_fn<BITS, R, NB>(n), one = few_rows_fn<BITS, R, 1>(n);
   for (int64_t g = 0; g < G; g += NB) {
-    for (int i = 0; i < NB * stride; i += 64)  // the stream AHEAD blocks on, as `chunk`
+    for (int i = 0; i < NB * stride; i += 64)  // the stream AHEAD blocks on, as in `expanded`
       _mm_prefetch(reinterpret_cast<const char*>(codes + (g + AHEAD) * stride + i), _MM_HINT_T0);
     for (int i = 0; i < NB * sstride; i += 32)
       _mm_prefetch(reinterpret_cast<const char*>(sc + (g + AHEAD) * sstride + i), _MM_HINT_T0);

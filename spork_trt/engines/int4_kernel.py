@@ -1,10 +1,11 @@
 """spork::int4_mm, the CPU torch engine's own 4-bit matmul (int4_kernel.cpp): a checkpoint's Q4_0 / Q4_1 blocks
 against bf16 activations with AVX512-BF16 dot products, every row by the same instructions (row-invariant by
-construction), each block's codes expanded once for all rows. Built with torch's C++ extension loader the first time
-a process asks (about 20 s on 2 cores, then cached under ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR);
-`make setup` builds it. The same library holds spork::attend (attention_kernel.cpp), which the engine's layers use
-wherever it is built, with its small ops in layer_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on
-the int4 kernels as one op (layers_op.cpp: spork::int4_layers).
+construction), each block's codes expanded once for all rows (for a few rows, into registers as they are used).
+Built with torch's C++ extension loader the first time a process asks (about 20 s on 2 cores, then cached under
+~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); `make setup` builds it. The same library holds
+spork::attend (attention_kernel.cpp), which the engine's layers use wherever it is built, with its small ops in
+layer_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the int4 kernels as one op (layers_op.cpp:
+spork::int4_layers).
 
 Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
