@@ -241,16 +241,14 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     b, t = ids.shape
     real = torch.arange(b * t) if real is None else real  # [N]
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
-    if weights.native:
+    if weights.fused:
         cos, sin = rope_tables(pos, model.inv_freq, torch.float32)  # [B, 1, T, D]: [B, T, D] in memory
-        x, tapped = torch.ops.spork.int4_layers(x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k,
-                                                kv.pool.v, kv.slots, kv.write, weights.norms, weights.packed,
-                                                weights.scales, weights.dims[0], weights.eps, list(taps))
-    elif weights.fused:
-        cos, sin = rope_tables(pos, model.inv_freq, torch.float32)
-        x, tapped = scripted(True)(x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v,
-                                   kv.slots, kv.write, weights.norms, weights.packed, weights.scales, weights.parts,
-                                   weights.dims, weights.eps, list(taps))  # x [N, C] fp32
+        args = (x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v, kv.slots, kv.write,
+                weights.norms, weights.packed, weights.scales)  # x [N, C] fp32: what both take first
+        if weights.native:
+            x, tapped = torch.ops.spork.int4_layers(*args, weights.dims[0], weights.eps, list(taps))
+        else:
+            x, tapped = scripted(True)(*args, weights.parts, weights.dims, weights.eps, list(taps))
     else:
         cos, sin = rope_tables(pos, model.inv_freq, x.dtype)
         bias = mask_bias(mask)[:, None, None]  # [B, 1, 1, T, C]
