@@ -92,7 +92,8 @@ def chain_then_alone(engine, prompt: list[int], chain: list[int]) -> tuple[torch
 def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
     """oneDNN's one-row kernel sums the MLP's down projection in another order (measured on an AVX512-BF16 EPYC:
     1 row in 4 differs in the last bit): with row_floor 1, 16 tokens alone give other logits than the same 16 as
-    one chain; with the floor, the same."""
+    one chain; with the floor, the same. (On a 2-core AMX Xeon its one-row kernel gave the same bits: the floor is
+    not needed there, and the test says so.)"""
     g = torch.Generator().manual_seed(0)
     prompt, chain = (torch.randint(0, 49152, (n,), generator=g).tolist() for n in (100, 16))
     chained, alone = chain_then_alone(engine, prompt, chain)
@@ -102,7 +103,9 @@ def test_the_row_floor_is_what_makes_one_token_equal_its_chain(engine):
         chained1, alone1 = chain_then_alone(engine, prompt, chain)
     finally:
         engine.row_floor = onednn.ROW_FLOOR
-    assert torch.equal(chained1, chained) and not torch.equal(alone1, alone)
+    assert torch.equal(chained1, chained)
+    if torch.equal(alone1, alone):
+        pytest.skip("on this CPU oneDNN's one-row kernel gives its many-row bits: the row floor is not needed here")
 
 
 def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint, engines):
@@ -240,8 +243,9 @@ def fp32_logits(default_checkpoint):
 
 
 def test_p_at_v_over_a_long_window_is_the_same_whatever_columns_follow():
-    """oneDNN's bf16 bmm sums a row over more than 1024 columns in an order that depends on how many there are:
-    masked (zero) columns added past 1024 change a row's P @ V. cpu_forward.attend sums in chunks of 1024: the same
+    """oneDNN's bf16 bmm sums a row over more than 1024 columns in an order that depends on how many there are
+    (on an AVX512-BF16 EPYC; not on a 2-core AMX Xeon, where the test says so): masked (zero) columns added past
+    1024 change a row's P @ V. cpu_forward.attend sums in chunks of 1024: the same
     bits with or without the extra columns, and a window of at most 1024 columns is the plain bmm."""
     from spork_trt.engines.cpu_forward import PV_CHUNK, attend
 
@@ -250,9 +254,11 @@ def test_p_at_v_over_a_long_window_is_the_same_whatever_columns_follow():
     values = torch.randn(1000, 1152, 64, generator=g).to(torch.bfloat16)  # [N, C, D]
     longer = torch.cat([probs, torch.zeros(1000, 3, 151, dtype=torch.bfloat16)], -1)  # 1152 columns, the last zero
     short = torch.cat([probs, torch.zeros(1000, 3, 23, dtype=torch.bfloat16)], -1)  # 1024 columns
-    assert not torch.equal(torch.bmm(short, values[:, :1024]), torch.bmm(longer, values))  # so the test can fail
     assert torch.equal(attend(short, values[:, :1024], PV_CHUNK), attend(longer, values, PV_CHUNK))
     assert torch.equal(attend(short, values[:, :1024], PV_CHUNK), torch.bmm(short, values[:, :1024]))
+    if torch.equal(torch.bmm(short, values[:, :1024]), torch.bmm(longer, values)):  # the premise, on this CPU
+        pytest.skip("on this CPU oneDNN's bmm gives a row the same bits past 1024 columns (seen on a 2-core AMX "
+                    "Xeon): the chunks are not needed here")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])
