@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -69,11 +70,40 @@ def test_a_row_is_the_same_bits_at_any_row_count_position_and_thread_count(bits)
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
-            for m in (2, 3, 4, 5, 8, 9, 16, 37):  # each path (up to 8 rows, more), every register-block tail
+            # each path (up to 8 rows, more), every register-block tail; on AMX, groups of 16, 9 + 9 (one row of
+            # zeros), 11 x 3, 13 x 3 (two)
+            for m in (2, 3, 4, 5, 8, 9, 16, 17, 33, 37):
                 for s in (0, 37 - m):
                     assert torch.equal(mm(x[s:s + m], packed, scales), alone[s:s + m])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_on_a_cpu_with_amx_it_runs_amx_unless_told_not_to_and_vdpbf16ps_keeps_its_invariance_there():
+    """Where the CPU has AMX-BF16, a process runs the tile unit (its bits are not vdpbf16ps's); SPORK_AMX=0 keeps
+    vdpbf16ps, whose paths the tests above then check again, in a process of their own."""
+    amx_cpu = "amx_bf16" in open("/proc/cpuinfo").read()
+    assert int4_kernel.arithmetic() == ("amx" if amx_cpu and os.environ.get("SPORK_AMX") != "0" else "avx512-bf16")
+    if int4_kernel.arithmetic() != "amx":
+        pytest.skip("no AMX here: the tests above ran vdpbf16ps")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "computes_the_blocks_weights or same_bits_at_any_row_count"],
+                         env={**os.environ, "SPORK_AMX": "0"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    codes, d, off = blocks(960, 576, seed=5, q4_0=False)
+    packed, scales = int4_kernel.pack(codes, d, off)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    check = ("import sys, torch; from spork_trt.engines import int4_kernel; int4_kernel.kernel(); "
+             "a = torch.load(sys.argv[1]); torch.save(torch.ops.spork.int4_mm(*a, True), sys.argv[1])")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "x.pt")
+        torch.save((x, packed, scales), path)
+        subprocess.run([sys.executable, "-c", check, path], env={**os.environ, "SPORK_AMX": "0"}, check=True,
+                       timeout=600)
+        vdp = torch.load(path)
+    amx = torch.ops.spork.int4_mm(x, packed, scales, True)
+    assert not torch.equal(amx, vdp)  # another arithmetic: the switch is real
+    assert (amx - vdp).abs().max() <= 2 ** -16 * amx.abs().max()  # sums of the same products
 
 
 def test_pack_refuses_what_it_cannot_compute():

@@ -37,6 +37,10 @@ class Target:
     def describe(self) -> str:
         where = {ONNX: "the build's ONNX Runtime target", "cpu": "the CPU torch engine"}.get(self.device,
                                                                                            "the device engine")
+        if self.device == "cpu" and self.dtype == "int4":
+            from .int4_kernel import arithmetic
+
+            where += f", {arithmetic()} matmuls"
         return f"{self.dtype} on {where} ({self.why})"
 
 

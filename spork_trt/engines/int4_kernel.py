@@ -1,6 +1,7 @@
 """spork::int4_mm, the CPU torch engine's own 4-bit matmul (int4_kernel.cpp): a checkpoint's Q4_0 / Q4_1 blocks
-against bf16 activations with AVX512-BF16 dot products, every row by the same instructions (row-invariant by
-construction), each block's codes expanded once for all rows (for a few rows, into registers as they are used).
+against bf16 activations with AVX512-BF16 dot products, or AMX-BF16's tile unit where the CPU has it (for every row
+count: a process runs one or the other, `arithmetic()` says which), every row by the same instructions (row-invariant
+by construction), each block's codes expanded once for all rows (for a few rows, into registers as they are used).
 Built with torch's C++ extension loader the first time a process asks (about 20 s on 2 cores, then cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); `make setup` builds it. The same library holds
 spork::attend (attention_kernel.cpp), which the engine's layers use wherever it is built, with its small ops in
@@ -28,8 +29,8 @@ SOURCES = [SOURCE, *(Path(__file__).with_name(f) for f in ("attention_kernel.cpp
                                                           "layers_op.cpp"))]  # one library
 # what the sources include (torch's loader hashes sources only)
 HEADERS = [Path(__file__).with_name(h) for h in ("cpu_simd.h", "spork_ops.h")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
-         "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma", "-mamx-tile",
+         "-mamx-bf16", "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
 TILE = 16  # columns per tile of the packed layout
 CHUNK = 64  # columns a thread computes at once: int4_kernel.cpp NT tiles
 
@@ -53,6 +54,15 @@ def kernel() -> str:
             lib.impl(name, unavailable, "CPU")
         PLACEHOLDER.append(lib)  # a Library's definitions last while it does
     return "spork" if built else "aten"
+
+
+def arithmetic() -> str:
+    """The dot products this process's int4 matmuls run: 'amx' (AMX-BF16's tiles; SPORK_AMX=0 turns them off),
+    'avx512-bf16' (vdpbf16ps) or 'aten' (ATen's kernel). Their bits differ, so plain and spork decoding in one
+    deployment both run the same one."""
+    if kernel() != "spork":
+        return "aten"
+    return "amx" if torch.ops.spork.uses_amx() else "avx512-bf16"
 
 
 # as the sources define them
