@@ -92,6 +92,24 @@ struct Codes {
   }
 };
 
+// one block of a chunk (codes, sc: its codes and scales), the stream AHEAD blocks on prefetched (the next chunk's,
+// past the end): tiles t0 .. t0 + n - 1 -> their expanded codes w[p * NT + t], d and off - BIAS d
+template <int BITS>
+void expand_block(const uint8_t* codes, const at::Half* sc, int nt, int t0, int n, __m512i* w, __m512* d,
+                  __m512* off) {
+  using C = Codes<BITS>;
+  for (int i = 0; i < nt * C::BYTES; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * C::BYTES + i), _MM_HINT_T0);
+  for (int i = 0; i < 2 * nt * TILE; i += 32)
+    _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
+  for (int t = 0; t < n; ++t) {
+    d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
+    off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
+    C::expand_tile(codes + (t0 + t) * C::BYTES, w, t);
+  }
+}
+
 inline void store(at::BFloat16* out, __m512 v) {
   const __m256bh b = _mm512_cvtneps_pbh(v);  // round to nearest even
   std::memcpy(out, &b, 32);
@@ -256,24 +274,14 @@ void expanded(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, con
   const int64_t G = K / GROUP;
   alignas(64) __m512i w[PAIRS * NT];
   for (int64_t g = 0; g < G; ++g, codes += nt * C::BYTES, sc += 2 * nt * TILE) {
-    for (int i = 0; i < nt * C::BYTES; i += 64)  // the stream AHEAD blocks on (the next chunk's, past the end)
-      _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * C::BYTES + i), _MM_HINT_T0);
-    for (int i = 0; i < 2 * nt * TILE; i += 32)
-      _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
     __m512 d[NT], off[NT];
-    for (int t = 0; t < n; ++t) {
-      d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
-      off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
-      C::expand_tile(codes + (t0 + t) * C::BYTES, w, t);
-    }
+    expand_block<BITS>(codes, sc, nt, t0, n, w, d, off);
     for (int64_t m = 0; m < M; m += 4) {
       const int r = static_cast<int>(std::min<int64_t>(4, M - m));
       rows_fn(r, n)(x + m * K + g * GROUP, K, w, d, off, xs + m * G + g, G, y + m * ystride, ystride);
     }
   }
 }
-
 
 // ---- AMX (Xeons with AMX-BF16): every row count on the tile unit ----
 //
@@ -335,10 +343,10 @@ struct alignas(64) AmxBlock {
   __m512 d[NT], off[NT];
 };
 
-// `chunk` on AMX: each block's codes expanded once for all rows (as in `expanded`), then for each group of R rows
-// (x holds whole groups: rows past M are zeros) the tile unit's sums and each output's two fmas. A unit (block, row
-// group)'s fmas run after the next unit's tile work is issued (its sums and block in the other of two buffers): the
-// tile unit's latency, not its throughput, bounds a few rows
+// `chunk` on AMX: each block's codes expanded once for all rows (`expand_block`, as in `expanded`), then for each
+// group of R rows (x holds whole groups: rows past M are zeros) the tile unit's sums and each output's two fmas. A
+// unit (block, row group)'s fmas run after the next unit's tile work is issued (its sums and block in the other of
+// two buffers): the tile unit's latency, not its throughput, bounds a few rows
 template <int BITS>
 void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* codes, const at::Half* sc, int nt,
               int t0, int n, const float* xs, float* y, int64_t ystride) {
@@ -368,17 +376,8 @@ void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* cod
   int64_t pg = -1, pm = 0;  // the unit whose fmas wait
   int pu = 0;
   for (int64_t g = 0, u = 0; g < G; ++g, codes += nt * C::BYTES, sc += 2 * nt * TILE) {
-    for (int i = 0; i < nt * C::BYTES; i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * C::BYTES + i), _MM_HINT_T0);
-    for (int i = 0; i < 2 * nt * TILE; i += 32)
-      _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
     AmxBlock& bk = blk[g & 1];
-    for (int t = 0; t < n; ++t) {
-      bk.d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
-      bk.off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), bk.d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
-      C::expand_tile(codes + (t0 + t) * C::BYTES, bk.w, t);
-    }
+    expand_block<BITS>(codes, sc, nt, t0, n, bk.w, bk.d, bk.off);
     for (int64_t m0 = 0; m0 < M; m0 += R, ++u) {
       issue(g, m0, bk, sums[u & 1]);
       if (pg >= 0) finish(pg, pm, blk[pg & 1], sums[pu]);
