@@ -27,9 +27,10 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 # the layers first (pyproject.toml's import-linter contracts): a wrong import fails in seconds, before the tests
+# --durations: the 20 slowest tests at the end of every run, CI's log included (the suite must stay under 30 minutes)
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # the main job: build the default engines (reused when up to date), render the Triton repository, start Triton,
 # stream one answer through tritonclient with its speculation stats, shut the server down
