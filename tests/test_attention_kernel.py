@@ -1,10 +1,14 @@
 """spork::attend (engines/attention_kernel.cpp): the CPU torch engine's attention read from the pool in place. It must
 compute softmax(q k^T / sqrt(D)) v over the columns each row attends (against a float64 reference), and give a row
 the same bits alone, in a chain, in a batch, in a wider window, with its keys at other columns (a tree's), on one
-thread or two, and whichever rows share its work item (8 rows of one sequence and KV head)."""
+thread or two, and whichever rows share its work item (8 rows of one sequence and KV head). On a CPU with AMX the
+scores run on the tile unit, and the tests run again with SPORK_AMX=0 (vdpbf16ps) in a process of their own."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +119,14 @@ def test_attend_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="head size"):
         attend(torch.zeros(3, 12, 1, 130).bfloat16(), 9, torch.zeros(6, 3, 70, 130).bfloat16(),
                torch.zeros(6, 3, 70, 130).bfloat16(), slots, torch.ones(3, 1, 50, dtype=torch.bool))
+
+
+def test_on_a_cpu_with_amx_the_vdpbf16ps_scores_keep_their_invariance_too():
+    """Where AMX runs the scores, the tests above ran its tiles; SPORK_AMX=0 (vdpbf16ps, the only arithmetic of a CPU
+    without AMX) must pass them as well."""
+    if int4_kernel.arithmetic() != "amx":
+        pytest.skip("no AMX in this process: the tests above ran vdpbf16ps")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not amx"],
+                         env={**os.environ, "SPORK_AMX": "0"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " passed" in run.stdout and "skipped" not in run.stdout, \
+        run.stdout[-3000:] + run.stderr[-3000:]

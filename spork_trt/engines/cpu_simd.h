@@ -1,5 +1,5 @@
-// What spork's CPU kernels share (attention_kernel.cpp, layer_ops.cpp): AVX512 helpers, every lane computed by
-// the same instructions.
+// What spork's CPU kernels share (int4_kernel.cpp, attention_kernel.cpp, layer_ops.cpp): AVX512 helpers, every lane
+// computed by the same instructions, and AMX's tile configuration.
 #pragma once
 #include <immintrin.h>
 
@@ -36,5 +36,25 @@ inline void store_bf16(uint16_t* p, __m512 v, __mmask16 n = 0xFFFF) {
 }
 
 inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+
+// AMX (where spork_ops::amx_on()): ldtilecfg's palette 1 layout, tile i holding rows[i] rows of colsb[i] bytes
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig& tile(int i, int r, int bytes) {
+    rows[i] = static_cast<uint8_t>(r);
+    colsb[i] = static_cast<uint16_t>(bytes);
+    return *this;
+  }
+};
+
+// a thread's tiles configured while in scope, released after
+struct TileScope {
+  explicit TileScope(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
 
 }  // namespace spork_simd

@@ -51,6 +51,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_simd.h"
 #include "spork_ops.h"
 
 namespace {
@@ -290,42 +291,16 @@ void expanded(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, con
 // runs it computes every row, 1 to any: a process decides once (`amx_on`) and every call follows. The rest is the same
 // arithmetic: per block and output, y = d acc + y, then y = (off - BIAS d) xs + y, fp32 fmas in block order.
 
-// AMX-BF16 on this CPU, the kernel letting this process use its tile data (Linux: arch_prctl), and not switched off
-// (SPORK_AMX=0)
-bool amx_on() {
-  static const bool on = [] {
-    const char* env = std::getenv("SPORK_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return on;
-}
-
 constexpr int ROWS_MAX = 16;  // rows of a tile
 // tile registers (literal numbers in the intrinsics): 0-3 a row group's sums of the chunk's 4 tiles, 4 its x,
 // 5-7 codes
 
-struct alignas(64) TileConfig {  // ldtilecfg's palette 1 layout
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles for row groups of R rows: sums [R, 16] fp32 (4), x [R, 32] bf16, codes [16 pairs, 16 columns x 2] bf16 (3)
-struct TileScope {
-  explicit TileScope(int r) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) {
-      cfg.colsb[i] = 64;
-      cfg.rows[i] = static_cast<uint8_t>(i < 5 ? r : PAIRS);
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-};
+spork_simd::TileConfig tiles_for(int r) {
+  spork_simd::TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.tile(i, i < 5 ? r : PAIRS, 64);
+  return cfg;
+}
 
 // one block's sums of tile t (tile register t) for a row group: x (tile 4) . the codes at w + t (pair rows NT zmm
 // apart, loaded into tile register b) -> out[t]
@@ -440,7 +415,7 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t tiles = N / TILE;
   // on AMX: groups of R rows, as even as 16 a group allows, x padded with zero rows to whole groups
   const int64_t groups = (M + ROWS_MAX - 1) / ROWS_MAX;
-  const int amx_r = amx_on() ? static_cast<int>((M + groups - 1) / groups) : 0;
+  const int amx_r = spork_ops::amx_on() ? static_cast<int>((M + groups - 1) / groups) : 0;
   std::vector<uint16_t> padded;
   if (amx_r > 0 && groups * amx_r > M) {
     padded.assign(groups * amx_r * K, 0);
@@ -449,8 +424,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   }
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {  // each thread an equal run of tiles, chunk by chunk
     std::vector<float> y(M * NT * TILE);
-    std::optional<TileScope> amx;
-    if (amx_r > 0) amx.emplace(amx_r);
+    std::optional<spork_simd::TileScope> amx;
+    if (amx_r > 0) amx.emplace(tiles_for(amx_r));
     for (int64_t c = b / NT; c * NT < e; ++c) {
       const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
       chunk<BITS>(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
@@ -463,6 +438,18 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }  // namespace
 
 namespace spork_ops {
+
+bool amx_on() {
+  static const bool on = [] {
+    const char* env = std::getenv("SPORK_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return on;
+}
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide) {
   return wide ? blocks_mm<4, float>(x, packed, scales, "int4_mm") : blocks_mm<4, at::BFloat16>(x, packed, scales,
@@ -478,7 +465,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 TORCH_LIBRARY(spork, m) {
   m.def("int4_mm(Tensor x, Tensor packed, Tensor scales, bool wide=False) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
-  m.def("uses_amx() -> bool", [] { return amx_on(); });  // which arithmetic this process's calls run
+  m.def("uses_amx() -> bool", [] { return spork_ops::amx_on(); });  // which arithmetic this process's calls run
 }
 
 TORCH_LIBRARY_IMPL(spork, CPU, m) {

@@ -20,4 +20,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       const at::Tensor& write);
 at::Tensor silu_mul(const at::Tensor& gu);
 
+// AMX-BF16 on this CPU, the kernel letting this process use its tile data (Linux: arch_prctl), and not switched off
+// (SPORK_AMX=0): decided once per process (int4_kernel.cpp); where true, the matmuls' block sums and the attention's
+// scores run on the tile unit, whose bits are not vdpbf16ps's
+bool amx_on();
+
 }  // namespace spork_ops
