@@ -2,7 +2,8 @@
 compute softmax(q k^T / sqrt(D)) v over the columns each row attends (against a float64 reference), and give a row
 the same bits alone, in a chain, in a batch, in a wider window, with its keys at other columns (a tree's), on one
 thread or two, and whichever rows share its work item (8 rows of one sequence and KV head). On a CPU with AMX the
-scores run on the tile unit, and the tests run again with SPORK_AMX=0 (vdpbf16ps) in a process of their own."""
+scores and P @ V run on the tile unit (P @ V over each row's keys by rank: a tree's row sums its chain's tiles), and
+the tests run again with SPORK_AMX=0 (vdpbf16ps) in a process of their own."""
 from __future__ import annotations
 
 import math
@@ -91,6 +92,29 @@ def test_a_row_gives_the_same_bits_with_its_keys_at_other_columns():
     m_many[0, :, :5] = True
     m_many[0, 7] = m_tree[0, 0]
     assert torch.equal(attend(many, heads, pk, pv, [1], m_many).view(40, -1)[7:8], want)
+
+
+def test_a_tree_row_past_many_key_groups_equals_its_chain_row_among_dense_rows():
+    """A node deep in a long context: its first gap past several groups of 32 keys (those come from the groups its
+    item's rows share, the rest from its own), beside rows of the same item attending dense prefixes of other
+    lengths."""
+    d, heads, hkv = 64, 9, 3
+    g = torch.Generator().manual_seed(5)
+    pk, pv = torch.randn(2, hkv, 420, d, generator=g).bfloat16(), torch.randn(2, hkv, 420, d, generator=g).bfloat16()
+    chain = list(range(300))
+    tree = list(range(290)) + [297, 305, 318, 333, 347, 352, 366, 371, 388, 399]
+    pk[1, :, tree], pv[1, :, tree] = pk[0, :, chain], pv[0, :, chain]
+    qk = torch.randn(1, heads + hkv, 1, d, generator=g).bfloat16()
+    m_chain = torch.zeros(1, 1, 300, dtype=torch.bool)
+    m_chain[0, 0, chain] = True
+    want = attend(qk, heads, pk, pv, [0], m_chain)
+    many = torch.randn(1, heads + hkv, 6, d, generator=g).bfloat16()
+    many[:, :, 3] = qk[:, :, 0]
+    m_many = torch.zeros(1, 6, 410, dtype=torch.bool)
+    for r, n in enumerate([100, 290, 410, 0, 33, 7]):
+        m_many[0, r, :n] = True
+    m_many[0, 3, tree] = True
+    assert torch.equal(attend(many, heads, pk, pv, [1], m_many).view(6, -1)[3:4], want)
 
 
 def test_one_thread_or_two_give_the_same_bits():

@@ -14,7 +14,15 @@
 //            320 keys 0.72 of the time, 64 rows 0.64, 128 rows over 1,200 keys 0.65, 16 sequences x 1 row 0.92
 //   m      = the max of s over the attended columns (exact in any order)
 //   e[j]   = exp(s[j] - m) (a fixed polynomial, lane by lane), 0 where the row does not attend j
-//   out    = (sum over attended j, in order, of e[j] v[j]: fp32 fmas) / (sum over attended j, in order, of e[j])
+//   out    = (sum over attended j, in order, of e[j] v[j]: fp32 fmas) / (sum over attended j, in order, of e[j]).
+//            Where the scores run on AMX, TDPBF16PS's instead (weigh_tiles): the row's attended keys in rank order
+//            (its first attended key rank 0, ...), 32 a tile of pairs, bf16(e) times v, tile after tile into one fp32
+//            sum from 0, divided by the sum of the same bf16(e) (16 lanes by rank, then reduced). Ranks, not
+//            columns, so a tree's node, its ancestors at other columns, sums the same tiles as the chain. On a 2-core
+//            AMX Xeon against fp32 fmas (medians, same process): 16 rows over 320 keys 0.64-0.85 of the time, 64
+//            rows 0.57-0.78, a 128-row chunk over 1,200 keys 0.46-0.73, 16 sequences x 4 rows 0.91-0.96, but 16
+//            sequences x 1 row 1.2-1.3 and 1 row 1.0-1.1 (a decode item has 3 rows, and a tile product costs the
+//            same for 3 rows as for 16)
 //
 //   qk     [B, H + Hkv, T, D] bf16 (rotated queries in heads 0..H-1); pool_k, pool_v [slots, Hkv, S, D] bf16 (a
 //          layer's pool); slots [B] int64 (each sequence's slot); mask [B, T, C] bool (the columns each row attends,
@@ -90,7 +98,8 @@ inline int64_t attended_end(const uint8_t* m, int64_t c) {
 
 // tile registers of `score` on AMX, for work items of up to `rows` rows (ROWS, or fewer where a sequence and KV head
 // has fewer: a decode step): 0 a group's scores [rows, 16 keys] fp32, 1-4 the rows' queries (16 pairs each), 5-7 the
-// group's keys (16 pair rows of 16 keys each)
+// group's keys (16 pair rows of 16 keys each). weigh_tiles reads the same shapes: 0-3 the rows' outputs [rows, 16
+// columns] fp32, 4 their probabilities (16 pairs of keys), 5-7 a group's values (16 pair rows of 16 columns)
 spork_simd::TileConfig score_tiles(int rows) {
   spork_simd::TileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.tile(i, i < 5 ? rows : PAIR_ROWS, 64);
@@ -118,6 +127,35 @@ inline void tile_scores(const float (*kt)[LANES], int64_t tiles, float* sc, int6
   _tile_stored(0, sc, stride * 4);
 }
 
+constexpr int KEYS = 2 * PAIR_ROWS;  // keys of a P @ V group on AMX: one tile of pairs
+
+// 32 keys' value rows (nullptr: zero) -> `slices` tiles of 16 pair rows (two a 32-column chunk), row i of each holding
+// the bf16 pairs (key 2 i, key 2 i + 1) of 16 columns, in vpunpck's order: chunk c's even slice has columns 32 c + 8 L
+// + p, its odd slice 32 c + 8 L + 4 + p, for L, p in 0..3 (dword 4 L + p; zero past d). unpair() puts them back
+inline void pair_rows(const uint16_t* const* rows, int64_t d, int64_t slices, __m512* vt) {
+  for (int64_t c = 0; c < slices / 2; ++c) {
+    const __mmask32 cols = d - 32 * c >= 32 ? ~0u : (1u << (d - 32 * c)) - 1;
+    for (int i = 0; i < PAIR_ROWS; ++i) {
+      const uint16_t *lo = rows[2 * i], *hi = rows[2 * i + 1];
+      const __m512i a = lo ? _mm512_maskz_loadu_epi16(cols, lo + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = hi ? _mm512_maskz_loadu_epi16(cols, hi + 32 * c) : _mm512_setzero_si512();
+      _mm512_store_si512(&vt[2 * c * PAIR_ROWS + i], _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(&vt[(2 * c + 1) * PAIR_ROWS + i], _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// a chunk's two slices of fp32 sums (pair_rows' column order) / total -> its 32 columns in order, bf16, the first
+// `n` stored at out
+inline void unpair(const float* even, const float* odd, __m512 total, uint16_t* out, int64_t n) {
+  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8, 23, 22, 21, 20,
+                                         7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);  // column o from (o & 4 ? 16 : 0)
+                                                                                   // + 4 (o >> 3) + (o & 3)
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_div_ps(_mm512_load_ps(odd), total),
+                                                    _mm512_div_ps(_mm512_load_ps(even), total));
+  _mm512_mask_storeu_epi16(out, n >= 32 ? ~0u : (1u << n) - 1, _mm512_permutexvar_epi16(order, both));
+}
+
 // one slot and head's keys as pair rows, 16 keys a group: kt[i][l] = pair i of key 16k + l for group k (zero past the
 // keys the pool holds), pair rows past w zero up to whole tiles of 16. Where a sequence's rows take several work items
 // (`keep`: a chunk, a tree), a thread transposes each group once for all of them; else one group at a time, in place
@@ -131,14 +169,14 @@ struct KeyGroups {
     if (k == keys && reuse && keep) return;  // the groups transposed so far stand
     keys = k, s_len = s, w = pairs, keep = reuse, have = 0;
     rows = (w + PAIR_ROWS - 1) / PAIR_ROWS * PAIR_ROWS;
+    const size_t need = (keep ? (s_len + LANES - 1) / LANES : 1) * rows;  // every group, or one at a time
+    if (data.size() < need) data.resize(need);  // here, not in at(): the groups it gave out stay where they are
   }
 
   // group k (asked in order from 0)
   const float (*at(int64_t k))[LANES] {
     const int64_t slot = keep ? k : 0;
-    float(*kt)[LANES] = nullptr;
-    if (static_cast<int64_t>(data.size()) < (slot + 1) * rows) data.resize((slot + 1) * rows);
-    kt = reinterpret_cast<float(*)[LANES]>(&data[slot * rows]);
+    float(*kt)[LANES] = reinterpret_cast<float(*)[LANES]>(&data[slot * rows]);
     if (keep && k < have) return kt;
     const int64_t j0 = k * LANES, nk = std::min<int64_t>(LANES, s_len - j0);  // keys the pool holds past j0
     for (int64_t l = 0; l < LANES * 2 * w; l += 32)  // the group after next, into cache (a stream from memory
@@ -159,11 +197,46 @@ struct KeyGroups {
   }
 };
 
+// one slot and head's values as pair rows of keys, 32 keys a group, for TDPBF16PS: group k is `slices` tiles of 16
+// pair rows, slice s's row i holding the bf16 pairs (key 32 k + 2 i, key 32 k + 2 i + 1) of value columns 16 s ..
+// 16 s + 15 (zero past the keys the pool holds and past D). Cached like KeyGroups
+struct ValueGroups {
+  const uint16_t* values = nullptr;
+  int64_t s_len = 0, d = 0, slices = 0, have = 0;
+  bool keep = false;
+  std::vector<__m512> data;  // [group][slice][16 pair rows]
+
+  void use(const uint16_t* v, int64_t s, int64_t dim, bool reuse) {
+    if (v == values && reuse && keep) return;
+    values = v, s_len = s, d = dim, keep = reuse, have = 0;
+    slices = 2 * ((d + 31) / 32);
+    const size_t need = (keep ? (s_len + KEYS - 1) / KEYS : 2) * slices * PAIR_ROWS;  // as KeyGroups
+    if (data.size() < need) data.resize(need);
+  }
+
+  bool holds(const uint16_t* v) const { return v == values && keep; }  // v's groups, kept from an earlier item
+
+  // group k (asked in order from 0)
+  const __m512* at(int64_t k) {
+    const int64_t slot = keep ? k : k % 2, size = slices * PAIR_ROWS;  // else two in turn (KeyGroups)
+    __m512* vt = &data[slot * size];
+    if (keep && k < have) return vt;
+    const int64_t j0 = k * KEYS;
+    for (int64_t l = 0; l < KEYS * d; l += 32)  // the group after next, into cache
+      _mm_prefetch(reinterpret_cast<const char*>(values + (j0 + 2 * KEYS) * d + l), _MM_HINT_T0);
+    const uint16_t* rows[KEYS];
+    for (int i = 0; i < KEYS; ++i) rows[i] = j0 + i < s_len ? values + (j0 + i) * d : nullptr;
+    pair_rows(rows, d, slices, vt);
+    if (keep) have = k + 1;
+    return vt;
+  }
+};
+
 // Scores of `n` rows (query pointers q[r], as bf16 pairs) against keys [0, hi) of one slot and head (kg: its
 // groups): sc[r][j]. On AMX (tile_rows > 0: the tiles' rows, n at most) sc holds tile_rows rows, those past n the
 // scores of zero queries
 void score(const uint32_t* const* q, int n, KeyGroups& kg, int64_t hi, int64_t w, float scale, float* sc,
-           int64_t stride, int tile_rows) {
+           int64_t stride, int tile_rows, const uint16_t* values) {
   const bool amx = tile_rows > 0;
   const int64_t tiles = kg.rows / PAIR_ROWS;
   if (amx) {  // the rows' queries as tiles of 16 pairs, zero past w and past n
@@ -179,6 +252,9 @@ void score(const uint32_t* const* q, int n, KeyGroups& kg, int64_t hi, int64_t w
   }
   for (int64_t j0 = 0; j0 < hi; j0 += LANES) {
     const float(*kt)[LANES] = kg.at(j0 / LANES);
+    if (values)  // the same keys' values into L2 while the scores run (weigh_tiles reads them in bursts)
+      for (int64_t l = 0; l < LANES * 2 * w; l += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(values + j0 * 2 * w + l), _MM_HINT_T1);
     if (amx) {
       tile_scores(kt, tiles, sc + j0, stride);
       continue;
@@ -303,6 +379,151 @@ Weigh weigher(int64_t d) {  // P @ V for a head size
   }
 }
 
+// What P @ V on AMX keeps for one row: its probabilities `e` (sc's row, rewritten) for keys in rank order, the
+// rank at which its own groups start and the columns behind them
+struct RowKeys {
+  int64_t shared = 0;  // keys [0, shared) come from the sequence's groups of 32 (those before its first gap, whole
+                       // groups only): the same columns at the same ranks as in a chain
+  int64_t count = 0;   // keys the row attends; ranks [shared, count) are its own groups, of the columns `cols`
+  size_t cols = 0;     // where those columns start in the thread's list
+};
+
+// Row e [0, hi) (softmax_terms': zero where not attended) -> its keys in rank order for the tiles, in place: every
+// value rounded to bf16, the attended columns past `shared` moved down to their ranks (in order), zero up to
+// `width`; those columns appended to `cols`
+RowKeys rank_keys(float* e, const uint8_t* m, int64_t hi, int64_t width, std::vector<int64_t>& cols) {
+  RowKeys k{hi, hi, cols.size()};
+  for (int64_t j0 = 0; j0 < hi; j0 += 64) {  // the first unattended column before hi
+    const uint64_t valid = hi - j0 >= 64 ? ~0ULL : (1ULL << (hi - j0)) - 1;
+    const uint64_t gaps = ~_mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(valid, m + j0), _mm512_set1_epi8(1)) & valid;
+    if (gaps) {
+      k.shared = (j0 + __builtin_ctzll(gaps)) / KEYS * KEYS;
+      break;
+    }
+  }
+  int64_t rank = k.shared;
+  for (int64_t j = k.shared; j < hi && k.shared < hi; ++j)
+    if (m[j]) {
+      e[rank++] = e[j];
+      cols.push_back(j);
+    }
+  if (k.shared < hi) k.count = rank;
+  std::fill(e + k.count, e + width, 0.0f);
+  for (int64_t j0 = 0; j0 < k.count; j0 += LANES)  // bf16, as the tiles read them (fp32 with bf16's bits)
+    _mm512_storeu_ps(e + j0, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(e + j0))), 16)));
+  return k;
+}
+
+// tiles 0 .. n_slices-1 += the probabilities' tile (4, loaded) x group vt's slices s0 .. s0+n_slices-1
+inline void weigh_group(const __m512* vt, int64_t s0, int64_t n_slices) {
+  _tile_loadd(5, &vt[s0 * PAIR_ROWS], 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if (n_slices > 1) {
+    _tile_loadd(6, &vt[(s0 + 1) * PAIR_ROWS], 64);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  if (n_slices > 2) {
+    _tile_loadd(7, &vt[(s0 + 2) * PAIR_ROWS], 64);
+    _tile_dpbf16ps(2, 4, 7);
+  }
+  if (n_slices > 3) {
+    _tile_loadd(5, &vt[(s0 + 3) * PAIR_ROWS], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// the probabilities' tile of `tile_rows` rows for keys [k0, k0 + 32) of each row r with rk[r] (zero for rows past n,
+// and where `own` < 0 for keys past a row's shared ones; where own >= 0 only row `own`, its own keys) -> tile 4
+inline void load_probs(const float* e, int64_t stride, int n, int tile_rows, const RowKeys* rk, int64_t k0, int own) {
+  alignas(64) uint32_t pt[ROWS][PAIR_ROWS];
+  for (int r = 0; r < tile_rows; ++r) {
+    const bool in = r < n && (own < 0 ? k0 < rk[r].shared : r == own);
+    _mm512_store_si512(pt[r], in ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + r * stride + k0 + LANES),
+                                                                _mm512_loadu_ps(e + r * stride + k0))
+                                 : _mm512_setzero_si512());
+  }
+  _tile_loadd(4, pt[0], 64);
+}
+
+// P @ V on AMX (where the scores run there too): out[r] = (sum over the row's attended keys, in rank order, 32 a
+// tile, of bf16(e[j]) v[j], TDPBF16PS into one fp32 sum from 0) / (the sum of the same bf16(e[j]), 16 lanes by
+// rank, then reduced). A row's keys before its first gap (whole groups of 32) come from groups shared by the work
+// item's rows; the rest from groups of its own columns (a tree's node: its ancestors, wherever they lie), so its
+// tiles hold the same keys at the same ranks as the same row in a chain, alone or in any batch
+void weigh_tiles(float* e, int64_t stride, int n, int tile_rows, const uint8_t* const* m, const int64_t* hi,
+                 ValueGroups& vg, std::vector<int64_t>& cols, std::vector<__m512>& probs, std::vector<__m512>& own_vt,
+                 int64_t d, uint16_t* const* out) {
+  cols.clear();
+  RowKeys rk[ROWS];
+  float total[ROWS];
+  int64_t groups = 0;
+  for (int r = 0; r < n; ++r) {
+    rk[r] = rank_keys(e + r * stride, m[r], hi[r], stride, cols);
+    groups = std::max(groups, (rk[r].shared + KEYS - 1) / KEYS);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < rk[r].count; j0 += LANES) sum = _mm512_add_ps(sum, _mm512_loadu_ps(e + r * stride + j0));
+    total[r] = _mm512_reduce_add_ps(sum);
+  }
+  own_vt.resize(vg.slices * PAIR_ROWS);
+  probs.resize(tile_rows * groups);  // [tile_rows][groups]: the rows' probabilities in the shared groups, bf16 pairs
+  for (int r = 0; r < tile_rows; ++r)
+    for (int64_t k = 0; k < groups; ++k)
+      probs[r * groups + k] = r < n && k * KEYS < rk[r].shared
+                                  ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + r * stride + k * KEYS + LANES),
+                                                                _mm512_loadu_ps(e + r * stride + k * KEYS))
+                                  : _mm512_setzero_ps();
+  alignas(64) float acc[ROWS][4 * LANES];
+  for (int64_t s0 = 0; s0 < vg.slices; s0 += 4) {  // up to 4 slices of 16 columns a pass (tiles 0-3)
+    const int64_t ns = std::min<int64_t>(4, vg.slices - s0);
+    _tile_zero(0);  // tile numbers are immediates
+    if (ns > 1) _tile_zero(1);
+    if (ns > 2) _tile_zero(2);
+    if (ns > 3) _tile_zero(3);
+    const __m512* next = groups > 0 ? vg.at(0) : nullptr;
+    for (int64_t k = 0; k < groups; ++k) {
+      const __m512* vt = next;
+      if (k + 1 < groups) next = vg.at(k + 1);  // its stores done before the tiles read them
+      _tile_loadd(4, &probs[k], groups * 64);
+      weigh_group(vt, s0, ns);
+    }
+    for (int r = 0; r < n; ++r)
+      for (int64_t k0 = rk[r].shared; k0 < rk[r].count; k0 += KEYS) {  // its own groups
+        const uint16_t* rows[KEYS];
+        for (int i = 0; i < KEYS; ++i) {
+          const int64_t rank = k0 + i;
+          rows[i] = rank < rk[r].count ? vg.values + cols[rk[r].cols + rank - rk[r].shared] * d : nullptr;
+        }
+        pair_rows(rows, d, vg.slices, own_vt.data());
+        load_probs(e, stride, n, tile_rows, rk, k0, r);
+        weigh_group(own_vt.data(), s0, ns);
+      }
+    _tile_stored(0, &acc[0][0], sizeof acc[0]);
+    if (ns > 1) _tile_stored(1, &acc[0][LANES], sizeof acc[0]);
+    if (ns > 2) _tile_stored(2, &acc[0][2 * LANES], sizeof acc[0]);
+    if (ns > 3) _tile_stored(3, &acc[0][3 * LANES], sizeof acc[0]);
+    for (int r = 0; r < n; ++r)
+      for (int64_t t = 0; t < ns; t += 2)
+        unpair(&acc[r][t * LANES], &acc[r][(t + 1) * LANES], _mm512_set1_ps(total[r]), out[r] + (s0 + t) * LANES,
+               d - (s0 + t) * LANES);
+  }
+}
+
+// a thread's working memory, kept from call to call (its memory, not its contents): one thread-local lookup a call
+struct Scratch {
+  std::vector<float> sc;         // the work item's scores, then probabilities [rows, stride]
+  KeyGroups kg;
+  ValueGroups vg;
+  std::vector<int64_t> cols;     // weigh_tiles: the rows' own columns
+  std::vector<__m512> probs;     // weigh_tiles: the rows' probabilities in the shared groups
+  std::vector<__m512> own;       // weigh_tiles: a group of a row's own values
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
 }  // namespace
 
 namespace spork_ops {
@@ -334,8 +555,11 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
   const Weigh weigh = weigher(d);
   const int tile_rows = spork_ops::amx_on() ? static_cast<int>(std::min<int64_t>(ROWS, g * t)) : 0;
   at::parallel_for(0, b * hkv * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc;
-    KeyGroups kg;
+    Scratch& scratch = thread_scratch();
+    std::vector<float>& sc = scratch.sc;
+    KeyGroups& kg = scratch.kg;
+    ValueGroups& vg = scratch.vg;
+    kg.keys = nullptr, vg.values = nullptr;  // the pool's rows may have changed since the last call
     std::optional<spork_simd::TileScope> tiles;
     if (tile_rows > 0) tiles.emplace(score_tiles(tile_rows));
     for (int64_t item = begin; item < end; ++item) {
@@ -354,20 +578,34 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
         TORCH_CHECK(hi[r] > 0, "spork::attend: a row attends no column");
         top = std::max(top, hi[r]);
       }
-      const int64_t stride = (top + LANES - 1) / LANES * LANES;
+      const int64_t align = tile_rows > 0 ? KEYS : LANES;  // a row's probabilities: whole groups
+      const int64_t stride = (top + align - 1) / align * align;
       sc.resize(static_cast<size_t>(std::max(n, tile_rows) * stride));
       const int64_t base = (sp[seq] * hkv + h) * s_len * d;
       for (int64_t l = 0; l < std::min<int64_t>(top, 4 * LANES) * d; l += 32) {  // the streams' heads (the loops
         _mm_prefetch(reinterpret_cast<const char*>(kp + base + l), _MM_HINT_T0);  // prefetch ahead of themselves)
         if (l < 24 * d) _mm_prefetch(reinterpret_cast<const char*>(vp + base + l), _MM_HINT_T0);
       }
+      if (item + 1 < end && (item + 1) % blocks == 0) {  // the next item's sequence and head: its streams' heads
+        const int64_t next = (sp[(item + 1) / (hkv * blocks)] * hkv + (item + 1) / blocks % hkv) * s_len * d;
+        for (int64_t l = 0; l < 4 * LANES * d; l += 32) {  // into L2 while this item runs
+          _mm_prefetch(reinterpret_cast<const char*>(kp + next + l), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(vp + next + l), _MM_HINT_T1);
+        }
+      }
       kg.use(kp + base, s_len, w, blocks > 1);
-      score(q, n, kg, top, w, scale, sc.data(), stride, tile_rows);
+      const bool ahead = tile_rows > 0 && !vg.holds(vp + base);  // its values into L2 with the scores
+      score(q, n, kg, top, w, scale, sc.data(), stride, tile_rows, ahead ? vp + base : nullptr);
       for (int r = 0; r < n; ++r) {
         softmax_terms(sc.data() + r * stride, m[r], hi[r]);
         std::fill(sc.begin() + r * stride + hi[r], sc.begin() + (r + 1) * stride, 0.0f);
       }
-      weigh(sc.data(), stride, top, n, vp + base, d, o);
+      if (tile_rows > 0) {
+        vg.use(vp + base, s_len, d, blocks > 1);
+        weigh_tiles(sc.data(), stride, n, tile_rows, m, hi, vg, scratch.cols, scratch.probs, scratch.own, d, o);
+      } else {
+        weigh(sc.data(), stride, top, n, vp + base, d, o);
+      }
     }
   });
   return out;
