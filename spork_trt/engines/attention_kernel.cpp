@@ -433,12 +433,12 @@ inline void weigh_group(const __m512* vt, int64_t s0, int64_t n_slices) {
   }
 }
 
-// the probabilities' tile of `tile_rows` rows for keys [k0, k0 + 32) of each row r with rk[r] (zero for rows past n,
-// and where `own` < 0 for keys past a row's shared ones; where own >= 0 only row `own`, its own keys) -> tile 4
-inline void load_probs(const float* e, int64_t stride, int n, int tile_rows, const RowKeys* rk, int64_t k0, int own) {
+// the probabilities' tile of `tile_rows` rows for ranks [k0, k0 + 32) of rows [lo, hi) (their own keys), zero for
+// the other rows -> tile 4
+inline void load_probs(const float* e, int64_t stride, int tile_rows, int64_t k0, int lo, int hi) {
   alignas(64) uint32_t pt[ROWS][PAIR_ROWS];
   for (int r = 0; r < tile_rows; ++r) {
-    const bool in = r < n && (own < 0 ? k0 < rk[r].shared : r == own);
+    const bool in = r >= lo && r < hi;
     _mm512_store_si512(pt[r], in ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + r * stride + k0 + LANES),
                                                                 _mm512_loadu_ps(e + r * stride + k0))
                                  : _mm512_setzero_si512());
@@ -487,17 +487,20 @@ void weigh_tiles(float* e, int64_t stride, int n, int tile_rows, const uint8_t* 
       _tile_loadd(4, &probs[k], groups * 64);
       weigh_group(vt, s0, ns);
     }
-    for (int r = 0; r < n; ++r)
-      for (int64_t k0 = rk[r].shared; k0 < rk[r].count; k0 += KEYS) {  // its own groups
+    for (int r = 0, r1; r < n; r = r1) {  // own groups: once for the rows of a token (the same columns)
+      for (r1 = r + 1; r1 < n && m[r1] == m[r]; ++r1) {
+      }
+      for (int64_t k0 = rk[r].shared; k0 < rk[r].count; k0 += KEYS) {
         const uint16_t* rows[KEYS];
         for (int i = 0; i < KEYS; ++i) {
           const int64_t rank = k0 + i;
           rows[i] = rank < rk[r].count ? vg.values + cols[rk[r].cols + rank - rk[r].shared] * d : nullptr;
         }
         pair_rows(rows, d, vg.slices, own_vt.data());
-        load_probs(e, stride, n, tile_rows, rk, k0, r);
+        load_probs(e, stride, tile_rows, k0, r, r1);
         weigh_group(own_vt.data(), s0, ns);
       }
+    }
     _tile_stored(0, &acc[0][0], sizeof acc[0]);
     if (ns > 1) _tile_stored(1, &acc[0][LANES], sizeof acc[0]);
     if (ns > 2) _tile_stored(2, &acc[0][2 * LANES], sizeof acc[0]);
@@ -569,8 +572,8 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
       const uint8_t* m[ROWS];
       uint16_t* o[ROWS];
       int64_t hi[ROWS], top = 0;
-      for (int r = 0; r < n; ++r) {  // row r0 + r: head h * g + (r0 + r) / t, token (r0 + r) % t
-        const int64_t head = h * g + (r0 + r) / t, tok = (r0 + r) % t;
+      for (int r = 0; r < n; ++r) {  // row r0 + r: token (r0 + r) / g, head h * g + (r0 + r) % g (a token's g
+        const int64_t tok = (r0 + r) / g, head = h * g + (r0 + r) % g;  // heads side by side: the same columns)
         q[r] = reinterpret_cast<const uint32_t*>(qp + ((seq * (heads + hkv) + head) * t + tok) * d);
         m[r] = mp + (seq * t + tok) * c;
         o[r] = op + (seq * t + tok) * heads * d + head * d;
