@@ -97,10 +97,13 @@ def test_a_row_gives_the_same_bits_with_its_keys_at_other_columns():
 def test_a_tree_row_past_many_key_groups_equals_its_chain_row_among_dense_rows():
     """A node deep in a long context: its first gap past several groups of 32 keys (those come from the groups its
     item's rows share, the rest from its own), beside rows of the same item attending dense prefixes of other
-    lengths."""
+    lengths. A value of +1024 early and -1024 late keeps the running sums large, so a sum taken in another order
+    (AMX's tiles round where their terms sit) shows in the bf16 output, not only in fp32."""
     d, heads, hkv = 64, 9, 3
     g = torch.Generator().manual_seed(5)
     pk, pv = torch.randn(2, hkv, 420, d, generator=g).bfloat16(), torch.randn(2, hkv, 420, d, generator=g).bfloat16()
+    pk[0, :, 295] = pk[0, :, 5]  # the same score, so the two values cancel
+    pv[0, :, 5], pv[0, :, 295] = 1024.0, -1024.0
     chain = list(range(300))
     tree = list(range(290)) + [297, 305, 318, 333, 347, 352, 366, 371, 388, 399]
     pk[1, :, tree], pv[1, :, tree] = pk[0, :, chain], pv[0, :, chain]
