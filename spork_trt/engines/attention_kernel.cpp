@@ -18,11 +18,11 @@
 //            Where the scores run on AMX, TDPBF16PS's instead (weigh_tiles): the row's attended keys in rank order
 //            (its first attended key rank 0, ...), 32 a tile of pairs, bf16(e) times v, tile after tile into one fp32
 //            sum from 0, divided by the sum of the same bf16(e) (16 lanes by rank, then reduced). Ranks, not
-//            columns, so a tree's node, its ancestors at other columns, sums the same tiles as the chain. On a 2-core
-//            AMX Xeon against fp32 fmas (medians, same process): 16 rows over 320 keys 0.64-0.85 of the time, 64
-//            rows 0.57-0.78, a 128-row chunk over 1,200 keys 0.46-0.73, 16 sequences x 4 rows 0.91-0.96, but 16
-//            sequences x 1 row 1.2-1.3 and 1 row 1.0-1.1 (a decode item has 3 rows, and a tile product costs the
-//            same for 3 rows as for 16)
+//            columns, so a tree's node, its ancestors at other columns, sums the same tiles as the chain (a tile
+//            rounds where its terms sit: the same products at other places give other fp32 sums). On a 2-core AMX
+//            Xeon against fp32 fmas (medians, same process): 16 and 64 rows over 320 keys 0.73 of the time, a
+//            128-row chunk over 1,200 keys 0.70, a 16-node tree 0.74, but 16 sequences x 1 row 1.25-1.40 and 1 row
+//            1.03-1.09 (a decode item has 3 rows, and a tile product costs the same for 3 rows as for 16)
 //
 //   qk     [B, H + Hkv, T, D] bf16 (rotated queries in heads 0..H-1); pool_k, pool_v [slots, Hkv, S, D] bf16 (a
 //          layer's pool); slots [B] int64 (each sequence's slot); mask [B, T, C] bool (the columns each row attends,
@@ -198,8 +198,9 @@ struct KeyGroups {
 };
 
 // one slot and head's values as pair rows of keys, 32 keys a group, for TDPBF16PS: group k is `slices` tiles of 16
-// pair rows, slice s's row i holding the bf16 pairs (key 32 k + 2 i, key 32 k + 2 i + 1) of value columns 16 s ..
-// 16 s + 15 (zero past the keys the pool holds and past D). Cached like KeyGroups
+// pair rows, slice s's row i holding the bf16 pairs (key 32 k + 2 i, key 32 k + 2 i + 1) of 16 value columns
+// (pair_rows' order; zero past the keys the pool holds and past D). Kept for all of a sequence and head's work items
+// like KeyGroups
 struct ValueGroups {
   const uint16_t* values = nullptr;
   int64_t s_len = 0, d = 0, slices = 0, have = 0;
@@ -218,7 +219,8 @@ struct ValueGroups {
 
   // group k (asked in order from 0)
   const __m512* at(int64_t k) {
-    const int64_t slot = keep ? k : k % 2, size = slices * PAIR_ROWS;  // else two in turn (KeyGroups)
+    const int64_t slot = keep ? k : k % 2, size = slices * PAIR_ROWS;  // else two in turn: the next is built
+                                                                       // while the tiles read this one
     __m512* vt = &data[slot * size];
     if (keep && k < have) return vt;
     const int64_t j0 = k * KEYS;
@@ -588,13 +590,6 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
       for (int64_t l = 0; l < std::min<int64_t>(top, 4 * LANES) * d; l += 32) {  // the streams' heads (the loops
         _mm_prefetch(reinterpret_cast<const char*>(kp + base + l), _MM_HINT_T0);  // prefetch ahead of themselves)
         if (l < 24 * d) _mm_prefetch(reinterpret_cast<const char*>(vp + base + l), _MM_HINT_T0);
-      }
-      if (item + 1 < end && (item + 1) % blocks == 0) {  // the next item's sequence and head: its streams' heads
-        const int64_t next = (sp[(item + 1) / (hkv * blocks)] * hkv + (item + 1) / blocks % hkv) * s_len * d;
-        for (int64_t l = 0; l < 4 * LANES * d; l += 32) {  // into L2 while this item runs
-          _mm_prefetch(reinterpret_cast<const char*>(kp + next + l), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(vp + next + l), _MM_HINT_T1);
-        }
       }
       kg.use(kp + base, s_len, w, blocks > 1);
       const bool ahead = tile_rows > 0 && !vg.holds(vp + base);  // its values into L2 with the scores
