@@ -435,15 +435,18 @@ inline void weigh_group(const __m512* vt, int64_t s0, int64_t n_slices) {
   }
 }
 
+// 32 probabilities (bf16 already, as fp32) -> the 16 bf16 pairs of a tile row
+inline __m512i prob_pairs(const float* e) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + LANES), _mm512_loadu_ps(e));
+}
+
 // the probabilities' tile of `tile_rows` rows for ranks [k0, k0 + 32) of rows [lo, hi) (their own keys), zero for
 // the other rows -> tile 4
 inline void load_probs(const float* e, int64_t stride, int tile_rows, int64_t k0, int lo, int hi) {
   alignas(64) uint32_t pt[ROWS][PAIR_ROWS];
   for (int r = 0; r < tile_rows; ++r) {
     const bool in = r >= lo && r < hi;
-    _mm512_store_si512(pt[r], in ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + r * stride + k0 + LANES),
-                                                                _mm512_loadu_ps(e + r * stride + k0))
-                                 : _mm512_setzero_si512());
+    _mm512_store_si512(pt[r], in ? prob_pairs(e + r * stride + k0) : _mm512_setzero_si512());
   }
   _tile_loadd(4, pt[0], 64);
 }
@@ -471,10 +474,8 @@ void weigh_tiles(float* e, int64_t stride, int n, int tile_rows, const uint8_t* 
   probs.resize(tile_rows * groups);  // [tile_rows][groups]: the rows' probabilities in the shared groups, bf16 pairs
   for (int r = 0; r < tile_rows; ++r)
     for (int64_t k = 0; k < groups; ++k)
-      probs[r * groups + k] = r < n && k * KEYS < rk[r].shared
-                                  ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + r * stride + k * KEYS + LANES),
-                                                                _mm512_loadu_ps(e + r * stride + k * KEYS))
-                                  : _mm512_setzero_ps();
+      probs[r * groups + k] = r < n && k * KEYS < rk[r].shared ? (__m512)prob_pairs(e + r * stride + k * KEYS)
+                                                               : _mm512_setzero_ps();
   alignas(64) float acc[ROWS][4 * LANES];
   for (int64_t s0 = 0; s0 < vg.slices; s0 += 4) {  // up to 4 slices of 16 columns a pass (tiles 0-3)
     const int64_t ns = std::min<int64_t>(4, vg.slices - s0);
