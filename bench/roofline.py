@@ -35,7 +35,7 @@ CONTEXT = 256  # committed rows before every timed forward
 class Machine:
     read_gbs: float  # GB/s
     matmul_gflops: float  # fp32, this process's threads
-    bf16_gflops: float  # bf16 (oneDNN; AMX where the CPU has it)
+    bf16_gflops: float | None  # bf16 (oneDNN; AMX where the CPU has it); None where oneDNN has no bf16 kernels
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,14 @@ def measure_machine(repeats: int = 5) -> Machine:
     a = torch.ones(128 << 20)  # 512 MB, past every cache
     a.sum()
     t = min(timed(a.sum) for _ in range(repeats))  # torch's threads, as the engines read
+    from spork_trt.engines.onednn_engine import onednn_bf16_available
+
     peaks = []
-    for dtype in (torch.float32, torch.bfloat16):
-        m = torch.randn(2048, 2048).to(dtype)
+    for dtype in (torch.float32, torch.bfloat16)[:2 if onednn_bf16_available() else 1]:  # no oneDNN bf16: ATen's
+        m = torch.randn(2048, 2048).to(dtype)  # slow loops, no peak to speak of (and no engine runs them)
         m @ m
         peaks.append(round(2 * 2048 ** 3 / min(timed(lambda: m @ m) for _ in range(repeats)) / 1e9, 1))
-    return Machine(round(a.numel() * 4 / t / 1e9, 2), *peaks)
+    return Machine(round(a.numel() * 4 / t / 1e9, 2), peaks[0], peaks[-1] if len(peaks) > 1 else None)
 
 
 def timed(fn) -> float:
@@ -110,7 +112,11 @@ def cpu_torch_points(build: Path, dtype: str, machine: Machine, ts: list[int], b
         engine = cpu_target(source_checkpoint(mf.read(build)), dtype)
     linears = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, PackedLinear, Q8Linear))]
     cost = sum(m.weight_bytes for m in linears), sum(m.weight_numel for m in linears)
-    return engine_points(engine, build, f"{dtype} (CPU torch engine)", cost, machine.bf16_gflops,
+    from spork_trt.engines.int4_kernel import arithmetic
+
+    fp32 = machine.bf16_gflops is None or (dtype == "int4" and arithmetic() == "avx2")  # its matmuls: fp32 fmas
+    return engine_points(engine, build, f"{dtype} (CPU torch engine, {arithmetic()})" if dtype == "int4" else
+                         f"{dtype} (CPU torch engine)", cost, machine.matmul_gflops if fp32 else machine.bf16_gflops,
                          machine, ts, batch, repeats)
 
 
@@ -183,7 +189,7 @@ def main(a) -> int:
         print(json.dumps(summary))
         return 0
     print(f"this machine: read {machine.read_gbs} GB/s, matmul fp32 {machine.matmul_gflops} / bf16 "
-          f"{machine.bf16_gflops} GFLOP/s")
+          f"{machine.bf16_gflops or 'n/a (no oneDNN bf16 kernels)'} GFLOP/s")
     print("| build | target | forward | ms | bound ms | x bound |\n| --- | --- | --- | ---: | ---: | ---: |")
     for p in points:
         print(f"| {p.build} | {p.precision} | {p.shape} | {p.ms:.1f} | {p.bound_ms:.1f} | {p.ratio:.2f} |")

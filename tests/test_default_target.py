@@ -1,6 +1,6 @@
 """The target that runs when none is named (engines/default_target.py): int4 on the CPU torch engine for a GGUF
-checkpoint with 4-bit blocks on a CPU with oneDNN's bf16 kernels, else the build's ONNX target; and `generate`
-saying which in one line."""
+checkpoint with 4-bit blocks on a CPU with oneDNN's bf16 kernels, or with spork's CPU kernels (AVX2 too) where they
+run all of its matrices, else the build's ONNX target; and `generate` saying which in one line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from spork_trt.engines import default_target, onednn_engine
+from spork_trt.engines import default_target, int4_kernel, onednn_engine
 from spork_trt.engines.default_target import ONNX, choose
 from spork_trt.weights import default_gguf_path
 
@@ -25,9 +25,22 @@ def test_the_default_model_has_4_bit_blocks_and_an_f32_gguf_has_none(tmp_path):
     assert choose("fp32", tmp_path / "f32.gguf").device == ONNX
 
 
+def int4_here() -> bool:
+    """Whether this host runs the default model's int4 CPU engine: oneDNN's bf16 kernels, or spork's (AVX2 too: the
+    model's matrices are Q4_1 blocks and a Q8_0 embedding, all on spork's kernels)."""
+    return onednn_engine.onednn_bf16_available() or int4_kernel.kernel() == "spork"
+
+
+def test_only_the_default_models_matrices_are_all_on_spork_kernels(tmp_path):
+    assert default_target.only_kernel_blocks(default_gguf_path())
+    hf, _ = hf_tiny(tmp_path)
+    write_gguf(tmp_path / "f32.gguf", hf)
+    assert not default_target.only_kernel_blocks(tmp_path / "f32.gguf")
+
+
 def test_the_rule(monkeypatch, tmp_path):
     ck = default_gguf_path()
-    fast = onednn_engine.onednn_bf16_available()
+    fast = int4_here()
     t = choose("fp32", ck)
     assert (t.device, t.dtype) == (("cpu", "int4") if fast else (ONNX, "fp32"))
     assert (choose("int8", ck).device, choose("int8", ck).dtype) == (ONNX, "int8")  # the precision asked for
@@ -35,6 +48,9 @@ def test_the_rule(monkeypatch, tmp_path):
     (tmp_path / "hf").mkdir()
     assert choose("fp32", tmp_path / "hf").device == ONNX  # a safetensors folder: no blocks
     monkeypatch.setattr(onednn_engine, "onednn_bf16_available", lambda: False)
+    t = choose("fp32", ck)
+    assert (t.device, t.dtype) == (("cpu", "int4") if int4_kernel.kernel() == "spork" else (ONNX, "fp32"))
+    monkeypatch.setattr(int4_kernel, "kernel", lambda: "aten")  # and no spork kernels either: an older CPU
     t = choose("fp32", ck)
     assert (t.device, t.dtype) == (ONNX, "fp32") and "oneDNN" in t.why
 
@@ -45,7 +61,7 @@ def test_generate_names_the_target_it_chose(default_engines):
     import subprocess
     import sys
 
-    fast = onednn_engine.onednn_bf16_available()
+    fast = int4_here()
     run = lambda *a: subprocess.run([sys.executable, "-m", "spork_trt", "generate", "What is 2+2?",  # noqa: E731
                                      "--max-new-tokens", "8", "--engines", str(default_engines), *a],
                                     capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])

@@ -83,7 +83,8 @@ def test_on_a_cpu_with_amx_it_runs_amx_unless_told_not_to_and_vdpbf16ps_keeps_it
     """Where the CPU has AMX-BF16, a process runs the tile unit (its bits are not vdpbf16ps's); SPORK_AMX=0 keeps
     vdpbf16ps, whose paths the tests above then check again, in a process of their own."""
     amx_cpu = "amx_bf16" in open("/proc/cpuinfo").read()
-    assert int4_kernel.arithmetic() == ("amx" if amx_cpu and os.environ.get("SPORK_AMX") != "0" else "avx512-bf16")
+    assert int4_kernel.arithmetic() == ("amx" if amx_cpu and os.environ.get("SPORK_AMX") != "0"
+                                        else int4_kernel.flavor().name)
     if int4_kernel.arithmetic() != "amx":
         pytest.skip("no AMX here: the tests above ran vdpbf16ps")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
@@ -143,7 +144,17 @@ from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
 from spork_trt.engines.onednn_engine import cpu_target
 from spork_trt.engines import chain_input
 from spork_trt.weights import load_checkpoint
+from spork_trt.engines.cpu_linears import onednn_bf16_available
+from spork_trt.errors import UserError
 assert int4_kernel.kernel() == "aten"
+if not onednn_bf16_available():  # an AVX2 CPU: its head would be a bf16 matmul, which only oneDNN runs: one error
+    try:
+        cpu_target(load_checkpoint(), "int4")
+    except UserError as e:
+        assert "oneDNN" in str(e), e
+        print("ok")
+        raise SystemExit(0)
+    raise SystemExit("no error without oneDNN's bf16 kernels")
 engine = cpu_target(load_checkpoint(), "int4")
 assert all(m.scales.dtype == torch.bfloat16 for m in engine.model.modules() if isinstance(m, Int4Linear))
 assert isinstance(engine.model.lm_head, PackedLinear)  # q8_mm is not built either: the head stays bf16

@@ -138,17 +138,20 @@ def test_a_step_s_error_kind_is_found_from_its_message():
 
 def test_the_default_repository_serves_the_build_s_default_target(default_engines, tmp_path, monkeypatch):
     """With no --device or --dtype the repository runs the build's default target on this host
-    (engines/default_target.py): int4 on the CPU torch engine where the CPU has oneDNN's bf16 kernels, else the
-    build's ONNX target; the gpu profiles keep their device."""
+    (engines/default_target.py): int4 on the CPU torch engine where the CPU has oneDNN's bf16 kernels or spork's
+    (AVX2 too), else the build's ONNX target; the gpu profiles keep their device."""
     from spork_trt import manifest as mf
-    from spork_trt.engines import onednn_engine
+    from spork_trt.engines import int4_kernel, onednn_engine
     from spork_trt.engines.default_target import default_target
 
+    from .test_default_target import int4_here
+
     want = default_target(mf.read(default_engines))
-    assert (want.device, want.dtype) == (("cpu", "int4") if onednn_engine.onednn_bf16_available() else ("", "fp32"))
+    assert (want.device, want.dtype) == (("cpu", "int4") if int4_here() else ("", "fp32"))
     sp = load(render(RepoConfig(default_engines, tmp_path / "auto")), "spork").parameters
     assert (sp["device"].string_value, sp["dtype"].string_value) == (want.device, want.dtype)
     monkeypatch.setattr(onednn_engine, "onednn_bf16_available", lambda: False)  # a CPU without them
+    monkeypatch.setattr(int4_kernel, "kernel", lambda: "aten")  # nor spork's kernels
     sp = load(render(RepoConfig(default_engines, tmp_path / "plain_cpu")), "spork").parameters
     assert (sp["device"].string_value, sp["dtype"].string_value) == ("", "fp32")
     sp = load(render(RepoConfig(default_engines, tmp_path / "gpu", "gpu")), "spork").parameters

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..gguf_blocks import BLOCK, INT4_KINDS, Blocks
 from ..model import MLP, Attention
 from . import int4_kernel
@@ -39,11 +40,25 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: i
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
 
+def onednn_bf16_available() -> bool:
+    """Whether this CPU and torch build have oneDNN's bf16 kernels (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def require_onednn() -> None:
+    if not onednn_bf16_available():
+        raise UserError("--device cpu --dtype bf16 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or AMX, and a "
+                        "torch build with oneDNN), and so does --dtype int4 for any weight outside the checkpoint's "
+                        "4-bit blocks and Q8_0 head (or everywhere, where spork's CPU kernels are not built): this CPU "
+                        "has none; use --dtype fp32 or the ONNX engines")
+
+
 class PackedLinear(nn.Module):
     """nn.Linear (no bias) with its bf16 weight reordered once into oneDNN's layout."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        require_onednn()
         w = weight.detach().to(torch.bfloat16)  # [out, in]
         self.out_features = w.shape[0]
         self.weight_numel = w.numel()

@@ -8,8 +8,12 @@ The rule, from measurements (docs/engines.md "Defaults by measurement"; bench fi
   (docs/engines.md: 2.7-3.6x llama.cpp's Q4_1 decoding for one request, 1.7-1.8x the fp32 ONNX target served to 16
   clients) and its fidelity to the fp32 target (the same blocks dequantized, fp32 activations) is top-1 0.9918,
   mean KL 0.0002 nats on held-out text (`bench fidelity --cpu-torch int4`).
-- Anything else (no oneDNN bf16 kernels, a checkpoint without 4-bit blocks, a build of another --precision, which
-  its user asked for): the build's own ONNX target.
+- A CPU without them but with AVX2, FMA and F16C, where spork's CPU kernels build (their avx2 flavor: fp32 fmas,
+  engines/avx2_matmul.cpp, avx2_ops.cpp) and every matrix of the checkpoint is a 4-bit block weight or the Q8_0
+  embedding / LM head (all the engine runs is then spork's ops: no oneDNN bf16 weight): int4 on the same engine
+  (docs/engines.md "The int4 engine on AVX2 CPUs").
+- Anything else (neither, a checkpoint without 4-bit blocks, a build of another --precision, which its user asked
+  for): the build's own ONNX target.
 
 The fidelity threshold: top-1 agreement with fp32 >= 0.99 and mean KL <= 0.01 nats on held-out text; int4 on the CPU
 torch engine meets it (the ONNX int4 and int8 targets, int8 activations, do not: 0.965 and 0.963).
@@ -52,6 +56,17 @@ def has_int4_blocks(gguf: Path) -> bool:
     return any(t.tensor_type.name in INT4_KINDS for t in gguf_reader(gguf).tensors)
 
 
+def only_kernel_blocks(gguf: Path) -> bool:
+    """Whether every matrix of a GGUF file is a Q4_0 / Q4_1 block weight, or the embedding / LM head in Q8_0: all
+    the int4 CPU engine then runs is spork's kernels (no oneDNN bf16 weight left: an AVX2 CPU runs it)."""
+    from ..gguf_blocks import INT4_KINDS
+    from ..weights import gguf_reader
+
+    heads = {"token_embd.weight", "output.weight"}
+    return all(t.tensor_type.name in INT4_KINDS or (t.name in heads and t.tensor_type.name == "Q8_0")
+               for t in gguf_reader(gguf).tensors if len(t.shape) >= 2)
+
+
 def choose(precision: str, checkpoint: Path | None) -> Target:
     """The default target of a build of ONNX `precision` from `checkpoint` (None: not on this machine), on this
     host (the module doc's rule)."""
@@ -59,10 +74,12 @@ def choose(precision: str, checkpoint: Path | None) -> Target:
         return Target(ONNX, precision, f"the build's --precision {precision}")
     if checkpoint is None or checkpoint.suffix.lower() != ".gguf" or not has_int4_blocks(checkpoint):
         return Target(ONNX, "fp32", "the checkpoint has no 4-bit blocks for the int4 CPU engine")
+    from . import int4_kernel
     from .onednn_engine import onednn_bf16_available
 
-    if not onednn_bf16_available():
-        return Target(ONNX, "fp32", "this CPU has no oneDNN bf16 kernels for the int4 CPU engine")
+    if not onednn_bf16_available() and not (int4_kernel.kernel() == "spork" and only_kernel_blocks(checkpoint)):
+        return Target(ONNX, "fp32", "this CPU has neither oneDNN's bf16 kernels nor spork's CPU kernels for the int4 "
+                      "CPU engine")
     return Target("cpu", "int4", "the checkpoint's own 4-bit blocks: the fastest lossless target on this CPU")
 
 

@@ -8,7 +8,9 @@ spork::attend (attention_kernel.cpp), which the engine's layers use wherever it 
 layer_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the int4 kernels as one op (layers_op.cpp:
 spork::int4_layers).
 
-Where it cannot run (no AVX512-BF16, no C++ compiler, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
+On a CPU without AVX512-BF16 but with AVX2, FMA and F16C the same ops build from avx2_matmul.cpp and avx2_ops.cpp
+(the `avx2` flavor: the same packed layouts, fp32 fmas, its own bits). Where neither can run (no C++ compiler, an
+older CPU, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
 kernel's, so a deployment's plain and spork decoding both run whichever this machine has (`kernel()` says which).
 """
@@ -19,27 +21,66 @@ import hashlib
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("int4_kernel.cpp")
-SOURCES = [SOURCE, *(Path(__file__).with_name(f) for f in ("attention_kernel.cpp", "layer_ops.cpp",
-                                                          "layers_op.cpp"))]  # one library
-# what the sources include (torch's loader hashes sources only)
-HEADERS = [Path(__file__).with_name(h) for h in ("cpu_simd.h", "spork_ops.h")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma", "-mamx-tile",
-         "-mamx-bf16", "-fopenmp"]  # at::parallel_for on torch's OpenMP threads (its own libgomp.so.1, already loaded)
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """One build of spork's CPU ops: the same op schemas and packed layouts, each with its own arithmetic."""
+    name: str  # also the arithmetic its calls run where it has no AMX: arithmetic()
+    sources: tuple[Path, ...]  # one library
+    headers: tuple[Path, ...]  # what the sources include (torch's loader hashes sources only)
+    flags: tuple[str, ...]
+
+
+def _here(*names: str) -> tuple[Path, ...]:
+    return tuple(Path(__file__).with_name(n) for n in names)
+
+
+FLAVORS = {
+    # AVX512-BF16 (EPYC from Zen 4, Xeons from Cooper Lake), AMX's tiles where the CPU has them
+    "avx512-bf16": Flavor("avx512-bf16", _here("int4_kernel.cpp", "attention_kernel.cpp", "layer_ops.cpp",
+                                               "layers_op.cpp"), _here("cpu_simd.h", "spork_ops.h"),
+                          ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
+                           "-mamx-tile", "-mamx-bf16", "-fopenmp")),  # at::parallel_for on torch's OpenMP threads
+    # AVX2 + FMA + F16C without AVX512-BF16 (EPYC before Zen 4, Xeons before Cooper Lake, most desktops): fp32 fmas
+    "avx2": Flavor("avx2", _here("avx2_matmul.cpp", "avx2_ops.cpp", "layers_op.cpp"),
+                   _here("avx2_simd.h", "spork_ops.h"),
+                   ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")),
+}
 TILE = 16  # columns per tile of the packed layout
 CHUNK = 64  # columns a thread computes at once: int4_kernel.cpp NT tiles
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_flags() -> set[str]:
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+def flavor() -> Flavor | None:
+    """The build this CPU runs: AVX512-BF16's where it has it, else AVX2's where it has AVX2, FMA and F16C, else none
+    (ATen's kernels). SPORK_KERNELS=avx2 asks for AVX2's on any CPU that has it (to test it beside the other)."""
+    have = cpu_flags()
+    if os.environ.get("SPORK_KERNELS") != "avx2" and "avx512_bf16" in have:
+        return FLAVORS["avx512-bf16"]
+    if {"avx2", "fma", "f16c"} <= have:
+        return FLAVORS["avx2"]
+    return None
 
 
 @functools.cache
@@ -58,11 +99,12 @@ def kernel() -> str:
 
 def arithmetic() -> str:
     """The dot products this process's int4 matmuls and attention (its scores and P @ V) run: 'amx' (AMX-BF16's
-    tiles; SPORK_AMX=0 turns them off), 'avx512-bf16' (vdpbf16ps, and fp32 fmas for P @ V) or 'aten' (ATen's
-    kernel). Their bits differ, so plain and spork decoding in one deployment both run the same one."""
+    tiles; SPORK_AMX=0 turns them off), 'avx512-bf16' (vdpbf16ps, and fp32 fmas for P @ V), 'avx2' (fp32 fmas,
+    avx2_matmul.cpp) or 'aten' (ATen's kernel). Their bits differ, so plain and spork decoding in one deployment
+    both run the same one."""
     if kernel() != "spork":
         return "aten"
-    return "amx" if torch.ops.spork.uses_amx() else "avx512-bf16"
+    return "amx" if torch.ops.spork.uses_amx() else flavor().name
 
 
 # as the sources define them
@@ -85,15 +127,16 @@ def unavailable(*args):
 
 
 def build() -> bool:
-    if os.environ.get("SPORK_INT4_KERNEL", "spork") == "aten" or not cpu_has_avx512_bf16():
+    fl = flavor()
+    if os.environ.get("SPORK_INT4_KERNEL", "spork") == "aten" or fl is None:
         return False
     try:
         import ninja  # the build tool torch's extension loader runs; on PATH when the venv is not activated
         from torch.utils import cpp_extension
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        cpp_extension.load(name="spork_int4", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_directory()), is_python_module=False, verbose=False)
+        cpp_extension.load(name=f"spork_{fl.name.replace('-', '_')}", sources=[str(p) for p in fl.sources],
+                           extra_cflags=list(fl.flags), extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_directory(fl)), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
         warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
                       RuntimeWarning)
@@ -101,14 +144,15 @@ def build() -> bool:
     return True
 
 
-def build_directory() -> Path:
+def build_directory(fl: Flavor | None = None) -> Path:
     """Where the kernel is built and cached: one folder per source file, torch version and flags (two checkouts
     sharing one rebuilt it for each other, replacing the library another process was loading), with a lock left by
     a build that was killed (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
+    fl = fl or flavor() or FLAVORS["avx512-bf16"]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()
-    sources = "|".join(str(p.resolve()) for p in SOURCES)
-    key = hashlib.sha256(f"{sources}|{headers}|{torch.__version__}|{' '.join(FLAGS)}".encode()).hexdigest()[:12]
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in fl.headers)).hexdigest()
+    sources = "|".join(str(p.resolve()) for p in fl.sources)
+    key = hashlib.sha256(f"{sources}|{headers}|{torch.__version__}|{' '.join(fl.flags)}".encode()).hexdigest()[:12]
     d = root / f"spork_int4-{key}"
     d.mkdir(parents=True, exist_ok=True)
     lock = d / "lock"

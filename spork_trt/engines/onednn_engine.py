@@ -39,7 +39,8 @@ from ..errors import UserError
 from ..gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
 from ..model import Transformer
 from . import cpu_forward, int4_kernel
-from .cpu_linears import PackedLinear, Q8Linear, pack_linears
+from .cpu_linears import PackedLinear, Q8Linear, pack_linears, require_onednn
+from .cpu_linears import onednn_bf16_available  # noqa: F401 - where callers have asked for it
 from .device_engine import DeviceEngine, Pool
 
 CTX_ROUND = 64  # a forward attends positions [0, C), C a multiple of this (each step copies that window)
@@ -59,17 +60,6 @@ def built_on_one_thread():
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def onednn_bf16_available() -> bool:
-    """Whether this CPU and torch build have oneDNN's bf16 kernels (AVX512-BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def require_onednn() -> None:
-    if not onednn_bf16_available():
-        raise UserError("--device cpu --dtype bf16 or int4 needs oneDNN's bf16 kernels (a CPU with AVX512-BF16 or "
-                        "AMX, and a torch build with oneDNN): this one has none; use --dtype fp32 or the ONNX engines")
 
 
 class WindowKV:
@@ -111,7 +101,8 @@ class OneDnnEngine(DeviceEngine):
         in 4 bits run on Int4Linear, the rest on bf16 PackedLinear; `head`: the LM head's Q8_0 blocks, run on
         Q8Linear where spork's kernels are built. `row_floor` (default: ROW_FLOOR when a layer has a bf16 matmul,
         else 1): rows a forward runs at least; the LM head runs at least ROW_FLOOR rows when it is bf16."""
-        require_onednn()
+        if blocks is None:
+            require_onednn()  # with blocks, a weight left in bf16 asks for oneDNN (PackedLinear)
         super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
         if head is not None and int4_kernel.kernel() == "spork":
             self.model.lm_head = Q8Linear(head)  # before pack_linears, which packs every nn.Linear left
