@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "op_checks.h"
 #include "spork_ops.h"
 
 namespace {
@@ -536,18 +537,10 @@ namespace spork_ops {
 
 at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k, const at::Tensor& pool_v,
                   const at::Tensor& slots, const at::Tensor& mask) {
-  TORCH_CHECK(qk.dim() == 4 && pool_k.dim() == 4 && mask.dim() == 3, "spork::attend: qk [B, H + Hkv, T, D], pools "
-              "[slots, Hkv, S, D], mask [B, T, C]");
-  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && pool_k.scalar_type() == at::kBFloat16 &&
-              pool_v.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kBool &&
-              slots.scalar_type() == at::kLong, "spork::attend: bf16 qk and pools, bool mask, int64 slots");
-  TORCH_CHECK(qk.is_contiguous() && pool_k.is_contiguous() && pool_v.is_contiguous() && mask.is_contiguous() &&
-              slots.is_contiguous() && pool_k.sizes() == pool_v.sizes(), "spork::attend: contiguous tensors");
+  spork_checks::attend(qk, heads, pool_k, pool_v, slots, mask);
   const int64_t b = qk.size(0), t = qk.size(2), d = qk.size(3), hkv = pool_k.size(1), s_len = pool_k.size(2);
   const int64_t c = mask.size(2), g = heads / hkv;
-  TORCH_CHECK(d % 2 == 0 && d <= MAX_D && pool_k.size(3) == d, "spork::attend: head size even, at most 128");
-  TORCH_CHECK(heads % hkv == 0 && qk.size(1) == heads + hkv && mask.size(0) == b && mask.size(1) == t &&
-              slots.size(0) == b && c <= s_len, "spork::attend: shapes disagree");
+  TORCH_CHECK(d % 2 == 0 && d <= MAX_D, "spork::attend: head size even, at most 128");
   at::Tensor out = at::empty({b * t, heads * d}, qk.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(qk.data_ptr<at::BFloat16>());
   const auto* kp = reinterpret_cast<const uint16_t*>(pool_k.data_ptr<at::BFloat16>());
@@ -555,7 +548,6 @@ at::Tensor attend(const at::Tensor& qk, int64_t heads, const at::Tensor& pool_k,
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const auto* mp = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_k.size(0), "spork::attend: slot out of range");
   const int64_t blocks = (g * t + ROWS - 1) / ROWS, w = d / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const Weigh weigh = weigher(d);

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "avx2_simd.h"
+#include "op_checks.h"
 #include "spork_ops.h"
 
 namespace {
@@ -210,15 +211,9 @@ void chunk(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* packe
 
 template <int BITS, typename Out>
 at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, op, ": packed must be [N, K * bits / 8] uint8");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, op, ": scales must be [N, K/16] fp16");
+  spork_checks::blocks_mm(x, packed, scales, BITS, GROUP, TILE, op);
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = packed.size(0), G = K / GROUP;
-  TORCH_CHECK(K % GROUP == 0 && N % TILE == 0 && packed.size(1) * 8 == K * BITS && scales.size(0) == N &&
-                  scales.size(1) == 2 * G,
-              op, ": shapes do not match");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), op, ": packed and scales must be contiguous");
   at::Tensor out = at::empty({M, N}, xc.options().dtype(std::is_same_v<Out, float> ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());

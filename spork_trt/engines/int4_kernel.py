@@ -46,12 +46,12 @@ def _here(*names: str) -> tuple[Path, ...]:
 FLAVORS = {
     # AVX512-BF16 (EPYC from Zen 4, Xeons from Cooper Lake), AMX's tiles where the CPU has them
     "avx512-bf16": Flavor("avx512-bf16", _here("int4_kernel.cpp", "attention_kernel.cpp", "layer_ops.cpp",
-                                               "layers_op.cpp"), _here("cpu_simd.h", "spork_ops.h"),
+                                               "layers_op.cpp"), _here("cpu_simd.h", "spork_ops.h", "op_checks.h"),
                           ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
                            "-mamx-tile", "-mamx-bf16", "-fopenmp")),  # at::parallel_for on torch's OpenMP threads
     # AVX2 + FMA + F16C without AVX512-BF16 (EPYC before Zen 4, Xeons before Cooper Lake, most desktops): fp32 fmas
     "avx2": Flavor("avx2", _here("avx2_matmul.cpp", "avx2_ops.cpp", "layers_op.cpp"),
-                   _here("avx2_simd.h", "spork_ops.h"),
+                   _here("avx2_simd.h", "spork_ops.h", "op_checks.h"),
                    ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")),
 }
 TILE = 16  # columns per tile of the packed layout

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "cpu_simd.h"
+#include "op_checks.h"
 #include "spork_ops.h"
 
 namespace {
@@ -29,15 +30,12 @@ using spork_simd::first;
 using spork_simd::load_bf16;
 using spork_simd::store_bf16;
 
-constexpr int64_t GRAIN = 8;  // rows a thread takes at least
 
-const uint16_t* bf16_in(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* bf16_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+using spork_checks::bf16_in;
+using spork_checks::bf16_out;
+using spork_checks::GRAIN;
 
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "spork::", name,
-              ": x [N, C], contiguous bf16");
-}
+
 
 // 16 values of a row, bf16 or fp32, as fp32 (the first `n`)
 inline __m512 load(const uint16_t* p, __mmask16 n) { return load_bf16(p, n); }
@@ -57,13 +55,7 @@ void norm_row(const In* x, const uint16_t* w, int64_t c, float eps, uint16_t* y)
                first(c - i));
 }
 
-void check_norm(const at::Tensor& x, const at::Tensor& w, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "spork::", name, ": x [N, C], contiguous fp32 or bf16");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == x.size(1), "spork::", name,
-              ": w [C] bf16");
-}
+
 
 // s = x + d over one row of c (d fp32 or bf16)
 template <typename D>
@@ -90,94 +82,26 @@ void rotate(const uint16_t* x, const float* cs, const float* sn, int64_t d, uint
 namespace spork_ops {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_norm(x, w, "rms_norm");
-  const int64_t c = x.size(1);
-  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const uint16_t* wp = bf16_in(w);
-  uint16_t* yp = bf16_out(y);
-  const float* wide = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;  // else bf16
-  const uint16_t* narrow = wide ? nullptr : bf16_in(x);
-  at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) {
-      if (wide) norm_row(wide + n * c, wp, c, static_cast<float>(eps), yp + n * c);
-      else norm_row(narrow + n * c, wp, c, static_cast<float>(eps), yp + n * c);
-    }
+  return spork_checks::rms_norm(x, w, eps, [](const auto* r, const uint16_t* wp, int64_t c, float e, uint16_t* y) {
+    norm_row(r, wp, c, e, y);
   });
-  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
                                                 double eps) {
-  check_norm(x, w, "add_rms_norm");
-  check_norm(d, w, "add_rms_norm");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && d.sizes() == x.sizes(),
-              "spork::add_rms_norm: x [N, C] fp32 (the residual stream), d [N, C]");
-  const int64_t c = x.size(1);
-  at::Tensor s = at::empty_like(x), y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = bf16_in(w);
-  float* sp = s.data_ptr<float>();
-  uint16_t* yp = bf16_out(y);
-  const float* wide = d.scalar_type() == at::kFloat ? d.data_ptr<float>() : nullptr;  // else bf16
-  const uint16_t* narrow = wide ? nullptr : bf16_in(d);
-  at::parallel_for(0, x.size(0), GRAIN, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) {
-      if (wide) add_row(xp + n * c, wide + n * c, c, sp + n * c);
-      else add_row(xp + n * c, narrow + n * c, c, sp + n * c);
-      norm_row(sp + n * c, wp, c, static_cast<float>(eps), yp + n * c);
-    }
-  });
-  return {s, y};
+  return spork_checks::add_rms_norm(
+      x, d, w, eps, [](const float* xr, const auto* dr, int64_t c, float* s) { add_row(xr, dr, c, s); },
+      [](const float* r, const uint16_t* wp, int64_t c, float e, uint16_t* y) { norm_row(r, wp, c, e, y); });
 }
 
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                       const at::Tensor& pool_k, const at::Tensor& pool_v, const at::Tensor& slots,
                       const at::Tensor& write) {
-  check_rows(qkv, "rope_store");
-  TORCH_CHECK(write.dim() == 2 && write.scalar_type() == at::kLong && write.is_contiguous() &&
-              slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == write.size(0),
-              "spork::rope_store: slots [B], write [B, T] int64");
-  TORCH_CHECK(pool_k.dim() == 4 && pool_k.scalar_type() == at::kBFloat16 && pool_k.is_contiguous() &&
-              pool_v.sizes() == pool_k.sizes() && pool_v.scalar_type() == at::kBFloat16 && pool_v.is_contiguous(),
-              "spork::rope_store: pools [slots, Hkv, S, D] contiguous bf16");
-  const int64_t b = write.size(0), t = write.size(1), hkv = pool_k.size(1), s_len = pool_k.size(2);
-  const int64_t d = pool_k.size(3), width = (heads + 2 * hkv) * d;
-  TORCH_CHECK(d % 2 == 0 && qkv.size(0) == b * t && qkv.size(1) == width,
-              "spork::rope_store: qkv [B*T, (H + 2 Hkv) D]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.numel() == b * t * d && sin.numel() == b * t * d,
-              "spork::rope_store: cos, sin [B, T, D] fp32");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* wp = write.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < pool_k.size(0), "spork::rope_store: slot out of range");
-  for (int64_t i = 0; i < b * t; ++i)
-    TORCH_CHECK(wp[i] >= 0 && wp[i] < s_len, "spork::rope_store: write position out of range");
-  at::Tensor qk = at::empty({b, heads + hkv, t, d}, qkv.options());
-  const uint16_t* xp = bf16_in(qkv);
-  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  uint16_t *op = bf16_out(qk), *kp = reinterpret_cast<uint16_t*>(pool_k.data_ptr<at::BFloat16>()),
-           *vp = reinterpret_cast<uint16_t*>(pool_v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, b * t, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t seq = row / t, tok = row % t;
-      const uint16_t* x = xp + row * width;
-      for (int64_t h = 0; h < heads + hkv; ++h) {
-        uint16_t* o = op + ((seq * (heads + hkv) + h) * t + tok) * d;
-        rotate(x + h * d, cp + row * d, snp + row * d, d, o);
-        if (h >= heads)
-          std::copy(o, o + d, kp + ((sp[seq] * hkv + (h - heads)) * s_len + wp[row]) * d);
-      }
-      for (int64_t h = 0; h < hkv; ++h)
-        std::copy(x + (heads + hkv + h) * d, x + (heads + hkv + h + 1) * d,
-                  vp + ((sp[seq] * hkv + h) * s_len + wp[row]) * d);
-    }
-  });
-  return qk;
+  return spork_checks::rope_store(qkv, cos, sin, heads, pool_k, pool_v, slots, write, rotate);
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
-  check_rows(gu, "silu_mul");
+  spork_checks::rows(gu, "silu_mul");
   TORCH_CHECK(gu.size(1) % 2 == 0, "spork::silu_mul: gu [N, 2F]");
   const int64_t f = gu.size(1) / 2;
   at::Tensor y = at::empty({gu.size(0), f}, gu.options());
