@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spork_trt.engines import chain_input
+from spork_trt.engines import chain_input, int4_kernel
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import quantize
@@ -73,7 +73,15 @@ def logits_beside_a_prompt(e: OnnxEngine) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+AVX512 = "avx512f" in int4_kernel.cpu_flags()
+# Found on a 2-core AVX2-only EPYC (Zen 1, 2026-12-06): ONNX Runtime's MatMulNBits int4 gives a row alone (2 rows)
+# other bits than inside a tree there, so the int4 ONNX target is not row-invariant on such a CPU (int8 is). Strict:
+# it must still fail there until it is mended (docs/support.md), and pass everywhere else.
+INT4_ON_AVX2 = pytest.mark.xfail(not AVX512, strict=True, reason="MatMulNBits int4 is not row-invariant on an "
+                                 "AVX2-only CPU (a known gap: docs/support.md)")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", pytest.param("int4", marks=INT4_ON_AVX2)])
 def test_a_row_is_the_same_alone_in_a_tree_and_in_a_batch(graphs, precision):
     e = OnnxEngine(graphs[precision], CFG, min_rows=2)
     alone = logits_alone(e)

@@ -92,10 +92,11 @@ def layer_weights(model: Transformer) -> LayerWeights:
 
 def fused_layers_available(head_dim: int) -> bool:
     """Whether the layers run on spork's CPU kernels (fused_layers): where they are built (int4_kernel.kernel()),
-    for an even head size up to 128, unless SPORK_LAYERS=aten (`layers`: ATen's ops, other arithmetic, so other
-    tokens)."""
-    return (os.environ.get("SPORK_LAYERS", "spork") != "aten" and head_dim % 2 == 0 and head_dim <= 128
-            and int4_kernel.kernel() == "spork")
+    for an even head size up to 128 (a multiple of 8 on the avx2 flavor), unless SPORK_LAYERS=aten (`layers`:
+    ATen's ops, other arithmetic, so other tokens)."""
+    if os.environ.get("SPORK_LAYERS", "spork") == "aten" or int4_kernel.kernel() != "spork":
+        return False
+    return head_dim % (8 if int4_kernel.arithmetic() == "avx2" else 2) == 0 and head_dim <= 128
 
 
 def project(y: torch.Tensor, packed: List[torch.Tensor], scales: List[torch.Tensor], j: int, n: int,
