@@ -46,8 +46,12 @@ class Recording:
         return k, v
 
 
-def test_the_torch_lever_computes_the_models_own_logits_after_a_context_eager_and_compiled():
+def test_the_torch_lever_computes_the_models_own_logits_after_a_context_eager_and_compiled(tmp_path, monkeypatch):
     import pytest
+
+    # inductor's own cache dir, not the shared /tmp/torchinductor_$USER: a process killed mid-compile leaves a
+    # truncated .so there that fails every later run on this machine ("file too short")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 
     from bench import torch_lever
     from spork_trt.errors import UserError
