@@ -135,7 +135,9 @@ def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint,
     x = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     logits = model.lm_head(x)
     want = x.double() @ head.t()
-    assert logits.dtype == torch.float32 and (logits.double() - want).abs().max() < 1e-5 * want.abs().max()
+    # fp32 sums; the avx2 flavor multiplies x in 16 bits per block of 32 (int4_kernel.arithmetic: about 1e-4 here)
+    tolerance = 2 ** -12 if int4_kernel.arithmetic() == "avx2" else 1e-5
+    assert logits.dtype == torch.float32 and (logits.double() - want).abs().max() < tolerance * want.abs().max()
 
 
 def test_int4_needs_a_checkpoint_with_4_bit_blocks():

@@ -9,7 +9,8 @@ layer_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the i
 spork::int4_layers).
 
 On a CPU without AVX512-BF16 but with AVX2, FMA and F16C the same ops build from avx2_matmul.cpp and avx2_ops.cpp
-(the `avx2` flavor: the same packed layouts, fp32 fmas, its own bits). Where neither can run (no C++ compiler, an
+(the `avx2` flavor: the same packed layouts, the matmuls on x in 16 bits per block of 32 and integer
+dot products, the attention in fp32 fmas, its own bits). Where neither can run (no C++ compiler, an
 older CPU, or SPORK_INT4_KERNEL=aten) the engine keeps ATen's int4 CPU
 kernel (`_weight_int4pack_mm_for_cpu`), also row-invariant but other arithmetic: its tokens can differ from this
 kernel's, so a deployment's plain and spork decoding both run whichever this machine has (`kernel()` says which).
@@ -49,7 +50,8 @@ FLAVORS = {
                                                "layers_op.cpp"), _here("cpu_simd.h", "spork_ops.h", "op_checks.h"),
                           ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
                            "-mamx-tile", "-mamx-bf16", "-fopenmp")),  # at::parallel_for on torch's OpenMP threads
-    # AVX2 + FMA + F16C without AVX512-BF16 (EPYC before Zen 4, Xeons before Cooper Lake, most desktops): fp32 fmas
+    # AVX2 + FMA + F16C without AVX512-BF16 (EPYC before Zen 4, Xeons before Cooper Lake, most desktops): 16-bit
+    # integer dot products (vpmaddwd), fp32 fmas
     "avx2": Flavor("avx2", _here("avx2_matmul.cpp", "avx2_ops.cpp", "layers_op.cpp"),
                    _here("avx2_simd.h", "spork_ops.h", "op_checks.h"),
                    ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")),
@@ -99,8 +101,8 @@ def kernel() -> str:
 
 def arithmetic() -> str:
     """The dot products this process's int4 matmuls and attention (its scores and P @ V) run: 'amx' (AMX-BF16's
-    tiles; SPORK_AMX=0 turns them off), 'avx512-bf16' (vdpbf16ps, and fp32 fmas for P @ V), 'avx2' (fp32 fmas,
-    avx2_matmul.cpp) or 'aten' (ATen's kernel). Their bits differ, so plain and spork decoding in one deployment
+    tiles; SPORK_AMX=0 turns them off), 'avx512-bf16' (vdpbf16ps, and fp32 fmas for P @ V), 'avx2' (16-bit
+    integer dot products in avx2_matmul.cpp, fp32 fmas in the attention) or 'aten' (ATen's kernel). Their bits differ, so plain and spork decoding in one deployment
     both run the same one."""
     if kernel() != "spork":
         return "aten"
