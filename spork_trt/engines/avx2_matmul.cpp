@@ -231,8 +231,8 @@ inline void quantize_block(const uint16_t* x, int16_t* xq, float* s, float* xs) 
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  const __m256 bad = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
-                                  _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+  __m256 bad = _mm256_setzero_ps();  // lanes holding a NaN
+  for (int j = 0; j < 4; ++j) bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
   const float amax = spork_avx2::reduce_max(m);
   if (_mm256_movemask_ps(bad) != 0 || !(amax < INFINITY)) {  // a NaN or an infinity: NaN out
     *s = NAN;
@@ -242,7 +242,8 @@ inline void quantize_block(const uint16_t* x, int16_t* xq, float* s, float* xs) 
   *s = amax / 32767.f;
   const __m256 inv = _mm256_set1_ps(amax > 0 ? 32767.f / amax : 0.f);
   for (int j = 0; j < 4; j += 2) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // in order
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + j * 8), p);
   }
@@ -258,7 +259,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   std::vector<int16_t> xq(M * K);  // x in 16 bits per block of 32
   std::vector<float> xscale(M * G), xs(M * G);  // [M, G]: each row's block scales and block sums
-  for (int64_t i = 0; i < M * G; ++i) quantize_block(xp + i * GROUP, xq.data() + i * GROUP, &xscale[i], &xs[i]);
+  for (int64_t i = 0; i < M * G; ++i)
+    quantize_block(xp + i * GROUP, xq.data() + i * GROUP, &xscale[i], &xs[i]);
   const uint8_t* pk = packed.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   Out* dst = out.data_ptr<Out>();
@@ -268,7 +270,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     std::vector<int16_t> w(GROUP * NT * TILE);
     for (int64_t c = b / NT; c * NT < e; ++c) {
       const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
-      chunk<BITS>(xq.data(), M, K, N, pk, sc, xs.data(), xscale.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
+      chunk<BITS>(xq.data(), M, K, N, pk, sc, xs.data(), xscale.data(), c, nt,
+                  static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
                   static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), w.data(), dst);
     }
   });

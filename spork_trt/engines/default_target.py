@@ -8,10 +8,10 @@ The rule, from measurements (docs/engines.md "Defaults by measurement"; bench fi
   (docs/engines.md: 2.7-3.6x llama.cpp's Q4_1 decoding for one request, 1.7-1.8x the fp32 ONNX target served to 16
   clients) and its fidelity to the fp32 target (the same blocks dequantized, fp32 activations) is top-1 0.9918,
   mean KL 0.0002 nats on held-out text (`bench fidelity --cpu-torch int4`).
-- A CPU without them but with AVX2, FMA and F16C, where spork's CPU kernels build (their avx2 flavor: 16-bit integer dot
-  products in the matmuls, fp32 fmas in the attention; engines/avx2_matmul.cpp, avx2_ops.cpp) and every matrix of the checkpoint is a 4-bit block weight or the Q8_0
-  embedding / LM head (all the engine runs is then spork's ops: no oneDNN bf16 weight): int4 on the same engine
-  (docs/engines.md "The int4 engine on AVX2 CPUs").
+- A CPU without them but with AVX2, FMA and F16C, where spork's CPU kernels build (their avx2 flavor: 16-bit integer
+  dot products in the matmuls, fp32 fmas in the attention; engines/avx2_matmul.cpp, avx2_ops.cpp) and every matrix
+  of the checkpoint is a 4-bit block weight or the Q8_0 embedding / LM head (all the engine runs is then spork's
+  ops: no oneDNN bf16 weight): int4 on the same engine (docs/engines.md "The int4 engine on AVX2 CPUs").
 - Anything else (neither, a checkpoint without 4-bit blocks, a build of another --precision, which its user asked
   for): the build's own ONNX target.
 

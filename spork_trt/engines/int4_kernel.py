@@ -102,8 +102,8 @@ def kernel() -> str:
 def arithmetic() -> str:
     """The dot products this process's int4 matmuls and attention (its scores and P @ V) run: 'amx' (AMX-BF16's
     tiles; SPORK_AMX=0 turns them off), 'avx512-bf16' (vdpbf16ps, and fp32 fmas for P @ V), 'avx2' (16-bit
-    integer dot products in avx2_matmul.cpp, fp32 fmas in the attention) or 'aten' (ATen's kernel). Their bits differ, so plain and spork decoding in one deployment
-    both run the same one."""
+    integer dot products in avx2_matmul.cpp, fp32 fmas in the attention) or 'aten' (ATen's kernel). Their bits
+    differ, so plain and spork decoding in one deployment both run the same one."""
     if kernel() != "spork":
         return "aten"
     return "amx" if torch.ops.spork.uses_amx() else flavor().name
