@@ -27,6 +27,7 @@ EXAMPLES = """examples:
                                                           # and off: turn-2 TTFT, tokens/s, cached share, lossless
   python -m bench core --concurrency 1,4,8 --rounds 3    # the engine core in process: spork vs plain per
                                                           # concurrency, priced by one fitted cost table (no drift)
+  python -m bench core --dtype int4 --concurrency 1,16 --rounds 2   # the same on the int4 CPU torch target
   make bench-peers && python -m bench serve-peers --concurrency 1,4,16   # ours vs llama.cpp's llama-server
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
   python -m bench failover --clients 16 --duration 60      # 2 replicas behind haproxy: one drained, one killed
@@ -220,6 +221,7 @@ def main(argv=None) -> int:
                     help="runs of each mode per level, the modes' order alternating (default: %(default)s)")
     cr.add_argument("--modes", default="spork,plain", help="two modes, one of them plain (default: %(default)s)")
     cr.add_argument("--draft", default=None, help="the spork drafter (default: the build's default)")
+    add_dtype(cr)
     cr.add_argument("--out", default="results/core")
     ch = sub.add_parser("chat", help="two-turn MT-bench through the OpenAI API, prefix reuse on and off, spork and "
                         "plain: TTFT per turn, tokens/s, cached share, same text", epilog=EXAMPLES,

@@ -148,7 +148,7 @@ def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: 
 
 
 def main(args) -> int:
-    from spork_trt.runtime import Runtime
+    from spork_trt.runtime import Runtime, build_target_device
 
     levels = levels_arg(args.concurrency, "--concurrency")
     modes = [m for m in args.modes.split(",") if m]
@@ -156,7 +156,7 @@ def main(args) -> int:
         raise UserError("--rounds takes a positive count, --modes two modes, one of them plain (e.g. spork,plain)")
     cfg = request_config({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed},
                          lambda f: f.flag)  # checked before the engines load
-    rt = Runtime.from_engines(args.engines)
+    rt = Runtime.from_engines(args.engines, device=build_target_device(args.dtype), dtype=args.dtype)
     spec = SpecConfig.for_draft(rt.resolve_draft(args.draft) if args.draft else rt.default_draft)
     prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
     out = Path(args.out)
@@ -174,7 +174,8 @@ def main(args) -> int:
         rows += [r.summary(table) for r in runs]
         summary.append(level_summary(n, runs, modes, table))
         print(json.dumps(summary[-1]), flush=True)
-    meta = {"git_sha": git_sha(), "engines": str(args.engines), "draft": spec.draft, "prompts": args.prompts,
+    meta = {"git_sha": git_sha(), "engines": str(args.engines), "dtype": args.dtype, "draft": spec.draft,
+            "prompts": args.prompts,
             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
             "machine": platform.processor() or platform.machine()}
     atomic.write_text(out / "core_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
@@ -208,7 +209,8 @@ def level_summary(n: int, runs: list[Run], modes: list[str], table: CostTable) -
 
 
 def markdown(meta: dict, levels: list[dict]) -> str:
-    lines = [f"engine core in process, git sha {meta['git_sha']}, draft {meta['draft']}, {meta['prompts']} "
+    target = f", target {meta['dtype']}" if meta.get("dtype", "fp32") != "fp32" else ""  # older summaries: none
+    lines = [f"engine core in process, git sha {meta['git_sha']}{target}, draft {meta['draft']}, {meta['prompts']} "
              f"(limit {meta['limit']}), {meta['max_new_tokens']} new tokens, {meta['rounds']} rounds", "",
              "| clients | priced spork / plain (median) | per round | wall (median) | per round | mean batch "
              "spork / plain | accepted / drafted | mismatches |",

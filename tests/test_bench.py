@@ -262,6 +262,21 @@ def test_core_bench_prices_both_modes_with_one_fitted_cost_table():
     assert level_summary(4, runs, ["spork", "plain"], table)["mismatches"] == 1
 
 
+def test_core_bench_names_its_target_and_refuses_an_unknown_dtype():
+    """`bench core --dtype int4` runs the build's checkpoint on the CPU torch engine (as run and serve do): its
+    summary names the target; fp32 summaries (and older ones, without the field) read as before. An unknown dtype
+    is refused by the parser (exit 2), before any engine loads."""
+    from bench.core import markdown
+
+    meta = {"git_sha": "abc", "draft": "store", "prompts": "mt_bench", "limit": 2, "max_new_tokens": 8, "rounds": 1}
+    assert markdown(meta | {"dtype": "int4"}, []).startswith("engine core in process, git sha abc, target int4, ")
+    assert markdown(meta | {"dtype": "fp32"}, []).startswith("engine core in process, git sha abc, draft store")
+    assert markdown(meta, []).startswith("engine core in process, git sha abc, draft store")
+    r = subprocess.run([sys.executable, "-m", "bench", "core", "--dtype", "int3"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "invalid choice: 'int3'" in r.stderr
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_bench_run_takes_its_worker_with_it():
     """`bench run` starts each arm's worker with `die_with_parent`: killing the run (here SIGKILL, as pkill -9) ends
