@@ -175,9 +175,8 @@ def main(args) -> int:
         summary.append(level_summary(n, runs, modes, table))
         print(json.dumps(summary[-1]), flush=True)
     meta = {"git_sha": git_sha(), "engines": str(args.engines), "dtype": args.dtype, "draft": spec.draft,
-            "prompts": args.prompts,
-            "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-            "machine": platform.processor() or platform.machine()}
+            "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+            "rounds": args.rounds, "machine": platform.processor() or platform.machine()}
     atomic.write_text(out / "core_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     atomic.write_text(out / "core_summary.json", json.dumps({"meta": meta, "levels": summary}, indent=1))
     atomic.write_text(out / "core_summary.md", markdown(meta, summary))
