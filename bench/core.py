@@ -148,7 +148,7 @@ def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: 
 
 
 def main(args) -> int:
-    from spork_trt.runtime import Runtime, build_target_device
+    from spork_trt.runtime import Runtime
 
     levels = levels_arg(args.concurrency, "--concurrency")
     modes = [m for m in args.modes.split(",") if m]
@@ -156,7 +156,7 @@ def main(args) -> int:
         raise UserError("--rounds takes a positive count, --modes two modes, one of them plain (e.g. spork,plain)")
     cfg = request_config({"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed},
                          lambda f: f.flag)  # checked before the engines load
-    rt = Runtime.from_engines(args.engines, device=build_target_device(args.dtype), dtype=args.dtype)
+    rt = Runtime.from_build(args.engines, args.dtype)
     spec = SpecConfig.for_draft(rt.resolve_draft(args.draft) if args.draft else rt.default_draft)
     prompts = [rt.tokenizer.encode_prompt(r["prompt"]) for r in load_prompts(args.prompts, args.limit)]
     out = Path(args.out)

@@ -115,9 +115,9 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int, dty
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
     from spork_trt.config import GenerateConfig, SpecConfig
     from spork_trt.draft_kinds import AUTO_DRAFT
-    from spork_trt.runtime import Runtime, build_target_device
+    from spork_trt.runtime import Runtime
 
-    rt = Runtime.from_engines(engines, device=build_target_device(dtype), dtype=dtype)
+    rt = Runtime.from_build(engines, dtype)
     spec = SpecConfig.for_draft(AUTO_DRAFT)  # what the server renders (--draft auto)
     ids = [rt.tokenizer.encode_prompt(p) for p in prompts]
     rt.generate(ids[0], GenerateConfig(max_new_tokens=16), mode, spec)  # warm-up

@@ -12,7 +12,7 @@ from spork_trt import atomic
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.io_spec import request_config
-from spork_trt.runtime import Runtime, build_target_device
+from spork_trt.runtime import Runtime
 
 from .arms import parse_arm
 from .prompts import git_sha, load_prompts
@@ -23,7 +23,7 @@ def make_runner(arm, a):
     if arm.mode != "peer":
         if a.dtype != "fp32" and not a.engines:
             raise UserError(f"--dtype {a.dtype} runs a build's checkpoint: pass --engines")
-        rt = (Runtime.from_engines(a.engines, device=build_target_device(a.dtype), dtype=a.dtype) if a.engines
+        rt = (Runtime.from_build(a.engines, a.dtype) if a.engines
               else Runtime.load(a.model))
         return rt.backend, rt.tokenizer, lambda ids, cfg: (lambda r: (r.token_ids, r.stats))(
             rt.generate(ids, cfg, arm.mode, arm.spec))

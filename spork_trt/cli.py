@@ -165,7 +165,7 @@ def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from .runtime import Runtime, build_target_device
+    from .runtime import Runtime
     from .tokenizer import StreamDecoder
 
     cfg, spec = generate_config(a), spec_config(a)
@@ -181,7 +181,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 or int4 "
                         "runs its checkpoint on the CPU torch engine")
     dtype, chosen = auto_dtype(a)
-    rt = (Runtime.from_engines(a.engines, verify=a.verify, device=build_target_device(dtype), dtype=dtype)
+    rt = (Runtime.from_build(a.engines, dtype, verify=a.verify)
           if a.engines else Runtime.load(a.model, a.device, dtype))
     which = "\n".join(line for line in (which, chosen) if line)
     if a.mode != "plain":

@@ -98,6 +98,12 @@ class Runtime:
         return cls(ck.cfg, tok, torch_target(ck, device, dtype), draft_engine, f"torch-{device}-{dtype}")
 
     @classmethod
+    def from_build(cls, engines: str | Path, dtype: str, verify: bool = False) -> Runtime:
+        """A build with its target in a `--dtype` (fp32: its ONNX target; bf16, int4: its checkpoint on the CPU torch
+        engine; auto: the build's default target on this host)."""
+        return cls.from_engines(engines, device=build_target_device(dtype), dtype=dtype, verify=verify)
+
+    @classmethod
     def from_engines(cls, engines: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",),
                      load_head: bool = True, device: str | None = None, dtype: str = DEVICE_DTYPE, verify: bool = False
                      ) -> Runtime:

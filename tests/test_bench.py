@@ -262,6 +262,13 @@ def test_core_bench_prices_both_modes_with_one_fitted_cost_table():
     assert level_summary(4, runs, ["spork", "plain"], table)["mismatches"] == 1
 
 
+def test_importing_the_bench_cli_runs_nothing():
+    """`python -m bench` runs the CLI; importing bench.__main__ (tools, a test) must not parse pytest's argv."""
+    import importlib
+
+    assert callable(importlib.import_module("bench.__main__").main)
+
+
 def test_core_bench_names_its_target_and_refuses_an_unknown_dtype():
     """`bench core --dtype int4` runs the build's checkpoint on the CPU torch engine (as run and serve do): its
     summary names the target; fp32 summaries (and older ones, without the field) read as before. An unknown dtype
