@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the ONNX graphs' attention: gqa = ONNX Runtime's GroupQueryAttention op (CPU: fastest, "
                         "appends KV rows in place); plain = standard ops only (ONNX Runtime's GPU providers; "
                         "--backend tensorrt always uses it) (default: %(default)s)")
-    b.add_argument("--force", action="store_true", help="rebuild even if the artifacts are up to date")
+    b.add_argument("--force", action="store_true", help="rebuild even if the artifacts are up to date; build into a "
+                   "non-empty folder that is not a build (nothing in it is deleted)")
     b.add_argument("--store", default=BuildConfig.store, metavar="auto|none|DIR",
                    help="the datastore's text (--draft store): auto = the corpus shipped for this checkpoint, if any; "
                         "a folder from `export pack` or `export self-data` (default: %(default)s)")

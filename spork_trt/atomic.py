@@ -13,6 +13,7 @@ import errno
 import glob
 import itertools
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,14 @@ from pathlib import Path
 
 _serial = itertools.count()  # two writers of one file in one process (threads) get different temporary names
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # linux/fcntl.h, linux/fs.h
+
+
+TEMP = re.compile(r"\..+\.\d+-\d+\.[a-z]+")  # temp_name's pattern
+
+
+def is_temp(name: str) -> bool:
+    """`name` is one temp_name makes (a writer's, alive or killed), not a user's dot-file."""
+    return TEMP.fullmatch(name) is not None
 
 
 def temp_name(dest: Path, tag: str = "tmp") -> Path:

@@ -196,3 +196,38 @@ def test_a_folder_is_replaced_where_the_filesystem_cannot_exchange_names(tmp_pat
         with atomic.folder(dest) as tmp:
             (tmp / "a").write_text(text)
     assert (dest / "a").read_text() == "2" and hidden(tmp_path) == []
+
+
+def test_a_folder_that_is_not_a_build_is_refused_and_nothing_in_it_is_lost(tiny_source, tmp_path):
+    """`--out .` in a repository: its README, .git/ and .venv/ survive a refused build and a forced one."""
+    repo = tmp_path / "repo"
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "python").write_text("#!")
+    (repo / "README.md").write_text("mine")
+    (repo / ".env").write_text("KEY=1")
+    before = contents(repo)
+    with pytest.raises(UserError, match=r"is not a build .*holds 4 entries .*\.git/.*README\.md.*--force"):
+        tiny_build(tiny_source, repo)
+    assert contents(repo) == before
+    tiny_build(tiny_source, repo, force=True)
+    after = contents(repo)
+    assert {k: after[k] for k in before} == before and (repo / mf.MANIFEST).is_file()
+    assert hidden(tmp_path) == []
+    tiny_build(tiny_source, repo, force=True, drafts=("self-int8",))  # a rebuild keeps them too, dot-files included
+    after = contents(repo)
+    assert {k: after[k] for k in before} == before and "draft_int8.onnx" in after
+
+
+def test_a_file_as_the_output_folder_is_refused(tiny_source, tmp_path):
+    (tmp_path / "eng").write_text("mine")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        tiny_build(tiny_source, tmp_path / "eng", force=True)
+    assert (tmp_path / "eng").read_text() == "mine"
+
+
+def test_temporary_names_are_told_from_dot_files():
+    assert atomic.is_temp(atomic.temp_name(Path("x/target.onnx")).name)
+    assert atomic.is_temp(atomic.temp_name(Path("eng"), "old").name)
+    assert not any(atomic.is_temp(n) for n in (".git", ".venv", ".env", ".config.1.bak"))

@@ -10,7 +10,6 @@ so a build that fails or is killed at any point leaves the previous one as it wa
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import hashlib
 import json
@@ -30,7 +29,6 @@ from ..datastore import SUFFIXES, TOKENS
 from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
 from ..draft_kinds import EAGLE, EARLY_EXIT, NGRAM, QUANTS, SELF, SELF_DRAFTS, STORE, DraftSpec, is_kind, parse_draft
 from ..errors import UserError
-from ..verifier import HEAD_GLOB
 from ..weights import default_gguf_path, load_checkpoint
 from . import tensorrt as trt_build
 from .artifacts import build_store, head_source, store_source, text_file
@@ -91,6 +89,7 @@ def calibration_signature() -> str:
 def build(cfg: BuildConfig) -> Path:
     trt_cfg = check(cfg)
     out = cfg.out
+    check_out(out, cfg.force)
     source = Path(cfg.model) if cfg.model else default_gguf_path()
     t0 = time.perf_counter()
     stage(f"hashing source checkpoint {source}")
@@ -213,25 +212,48 @@ def up_to_date(out: Path, inputs: dict) -> bool:
         return False
 
 
+def previous_artifacts(folder: Path) -> set[str] | None:
+    """The names a previous build in `folder` made (its manifest and the artifacts it lists), or None where the
+    folder holds no readable manifest."""
+    try:
+        return {mf.MANIFEST, *json.loads((folder / mf.MANIFEST).read_text())["artifacts"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an --out the build cannot own: a file, or a non-empty folder that no build made (no readable manifest)
+    unless --force; even then nothing in it is lost (keep carries it into the new build)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder: name a new or empty folder, or a previous build")
+    if not out.is_dir() or previous_artifacts(out) is not None:
+        return
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+    if names and not force:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise UserError(f"--out {out} is not a build (no readable {mf.MANIFEST}) and holds {len(names)} entries "
+                        f"({shown}): name a new or empty folder, or add --force to build into it (what is there is "
+                        "kept)")
+
+
 def keep(old: Path, new: Path) -> None:
-    """Carry into the new build what the folder it replaces holds besides the previous build's own files (its
+    """Carry into the new build everything the folder it replaces holds besides the previous build's own files (its
     manifest and the artifacts it lists: the new build makes its own and drops those it no longer makes): the
-    rendered triton_repo (re-rendered next), calibration heads and caches (`export calibrate`), server logs, whatever
-    else a user put there. Hard links where possible: nothing is copied twice, and the old folder stays whole until
-    it is replaced. Without a readable manifest the previous build's files are unknown: folders and calibration
-    heads are kept."""
+    rendered triton_repo (re-rendered next), calibration heads and caches (`export calibrate`), server logs, dot-files,
+    whatever else a user put there. Without a readable manifest every entry is the user's and is kept. Only the
+    temporary names of killed writers (atomic.is_temp) are left behind. Hard links where possible: nothing is copied
+    twice, and the old folder stays whole until it is replaced."""
     if not old.is_dir():
         return
-    try:
-        own = {mf.MANIFEST, *json.loads((old / mf.MANIFEST).read_text())["artifacts"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        own = None
+    own = previous_artifacts(old) or set()
     for p in old.iterdir():
-        if p.name.startswith(".") or (new / p.name).exists():
-            continue  # temporary names; a file this build made itself
-        if p.is_dir():
+        if atomic.is_temp(p.name) or (new / p.name).exists() or p.name in own:
+            continue  # a killed writer's leftover; a file this build made itself; the previous build's own
+        if p.is_dir() and not p.is_symlink():
             shutil.copytree(p, new / p.name, symlinks=True, copy_function=link_or_copy)
-        elif fnmatch.fnmatch(p.name, HEAD_GLOB) or (own is not None and p.name not in own):
+        elif p.is_symlink():
+            os.symlink(os.readlink(p), new / p.name)
+        else:
             link_or_copy(p, new / p.name)
 
 
