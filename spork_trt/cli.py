@@ -142,8 +142,8 @@ def default_engines(a: argparse.Namespace) -> tuple[str | None, str]:
 
 def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
     """--dtype, with auto resolved to the build's (or checkpoint's) default target on this host
-    (engines/default_target.py), and the line that says which ("" when --dtype was given). --mode gate, --verifier
-    on and early-exit drafts run beside the build's ONNX target (the early-layer verifier reads its cache)."""
+    (engines/default_target.py), and why ("" when --dtype was given). Only --dtype, --engines/--model and --device
+    decide: never --mode, --draft or --verifier (check_beside refuses what cannot run beside the target)."""
     from pathlib import Path
 
     from . import manifest as mf
@@ -154,14 +154,27 @@ def auto_dtype(a: argparse.Namespace) -> tuple[str, str]:
         return a.dtype, ""
     if a.device != "cpu":
         return DEVICE_DTYPE, ""
-    if a.mode == "gate" or a.verifier == "on" or is_kind(a.draft, EARLY_EXIT):
-        return "fp32", ""
     t = default_target(mf.read(Path(a.engines))) if a.engines else choose("fp32", Path(a.model or default_gguf_path()))
-    if t.device == "cpu":
-        other = "the build's ONNX target" if a.engines else "the PyTorch reference engine"
-        return t.flag, f"[generate] target: {t.describe()}; --dtype fp32 runs {other}"
-    return t.flag, ("[generate] target: " + (t.describe() if a.engines else f"fp32 on the PyTorch reference engine "
-                                              f"({t.why})"))
+    other = "the build's ONNX target" if a.engines else "the PyTorch reference engine"
+    return t.flag, f"--dtype auto: {t.why}" + (f"; --dtype fp32 runs {other}" if t.flag != "fp32" else "")
+
+
+def early_layers(a: argparse.Namespace) -> str:
+    """The flag that asks for the build's early-layer engine (the verifier, early-exit drafts), or ""."""
+    if a.mode == "gate":
+        return "--mode gate"
+    if a.verifier == "on" and a.mode == "spork":
+        return "--verifier on"
+    return f"--draft {a.draft}" if a.mode == "spork" and is_kind(a.draft, EARLY_EXIT) else ""
+
+
+def check_beside(a: argparse.Namespace, dtype: str) -> None:
+    """Refuse, before any model loads, a mode, drafter or verifier that cannot run beside a build's target: the
+    early-layer engine reads the cache of the build's ONNX target (--dtype fp32), not the torch engines'."""
+    flag = early_layers(a)
+    if a.engines and flag and dtype != "fp32":
+        raise UserError(f"{flag} runs beside the build's ONNX target (its early-layer engine reads that target's "
+                        f"cache); the target here is {dtype} on the CPU torch engine: add --dtype fp32")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -180,10 +193,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.engines and a.dtype not in ("fp32", AUTO_DTYPE) + CPU_TORCH_DTYPES:
         raise UserError(f"--dtype {a.dtype} with --engines: the build's ONNX target is fp32; --dtype bf16 or int4 "
                         "runs its checkpoint on the CPU torch engine")
-    dtype, chosen = auto_dtype(a)
+    dtype, why = auto_dtype(a)
+    check_beside(a, dtype)
     rt = (Runtime.from_build(a.engines, dtype, verify=a.verify)
           if a.engines else Runtime.load(a.model, a.device, dtype))
-    which = "\n".join(line for line in (which, chosen) if line)
+    target = f"[generate] target: {rt.target.line()}" + (f" ({why})" if why else "")
+    which = "\n".join(line for line in (which, target) if line)
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
@@ -196,7 +211,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(dec.feed([], final=True), end="")  # a trailing incomplete character, if any
     if a.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
-                          "stats": result.stats.to_json()}))
+                          "stats": result.stats.to_json() | {"target": rt.target.to_json()}}))
     else:
         print(flush=True)
         st = result.stats

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .config import (AUTO_DTYPE, CPU_TORCH_DTYPES, DEVICE_DTYPE, DEVICE_DTYPES, VERIFIER_LAYERS, GenerateConfig,
@@ -46,6 +46,35 @@ from .weights import load_checkpoint
 MODES = ("plain", "spork", "gate")
 
 
+@dataclass(frozen=True)
+class TargetName:
+    """Which model answers: the same three fields on two runs mean the same target, the same tokens from plain
+    decoding (the `--json` stats' "target" and every startup line)."""
+
+    precision: str  # fp32 | bf16 | int4 | a build's ONNX precision (int8, ...)
+    engine: str  # "PyTorch reference" | "ONNX Runtime" | "CPU torch engine" | "device engine (cuda)" | ...
+    kernels: str  # the arithmetic that computes it: int4_kernel.arithmetic(), "onednn-bf16", or "" (the engine's)
+
+    def line(self) -> str:
+        return f"{self.precision} on the {self.engine}" + (f", {self.kernels} kernels" if self.kernels else "")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def target_name(backend: str, precision: str) -> TargetName:
+    """The TargetName of a Runtime's backend ("torch", "onnx", "tensorrt", "torch-DEVICE-DTYPE")."""
+    engines = {"torch": "PyTorch reference", "onnx": "ONNX Runtime", "tensorrt": "TensorRT"}
+    if backend in engines:
+        return TargetName(precision, engines[backend], "")
+    _, device, dtype = backend.split("-", 2)
+    if device != "cpu":
+        return TargetName(dtype, f"device engine ({device})", "")
+    from .engines.int4_kernel import arithmetic
+
+    return TargetName(dtype, "CPU torch engine", arithmetic() if dtype == "int4" else "onednn-bf16")
+
+
 @dataclass
 class Runtime:
     cfg: ModelConfig
@@ -60,6 +89,11 @@ class Runtime:
     # the build's learned draft head, the target's embeddings and the head's ONNX step or None (--draft eagle)
     head: tuple | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # concurrent requests build once
+    precision: str = "fp32"  # the target's: a build's ONNX precision, or the torch engine's dtype
+
+    @property
+    def target(self) -> TargetName:
+        return target_name(self.backend, self.precision)
 
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "cpu", dtype: str = DEVICE_DTYPE) -> Runtime:
@@ -95,7 +129,8 @@ class Runtime:
 
         if device == "cpu" and dtype == "fp32":
             return cls(ck.cfg, tok, TorchEngine(ck.model), draft_engine, "torch")
-        return cls(ck.cfg, tok, torch_target(ck, device, dtype), draft_engine, f"torch-{device}-{dtype}")
+        return cls(ck.cfg, tok, torch_target(ck, device, dtype), draft_engine, f"torch-{device}-{dtype}",
+                   precision=dtype)
 
     @classmethod
     def from_build(cls, engines: str | Path, dtype: str, verify: bool = False) -> Runtime:
@@ -167,7 +202,8 @@ class Runtime:
                 step = OnnxHead(d / built["head"]["graph"], head_model.hc.layer_config())
             head = (head_model, lookup(np.load(d / built["head"]["embeddings"], mmap_mode="r", allow_pickle=False)),
                     step)
-        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store, head=head)
+        return cls(cfg, tok, target, draft_engine, m["backend"], layers, heads, store=store, head=head,
+                   precision=dtype if device is not None else built["target"]["precision"])
 
     @property
     def default_draft(self) -> str:
