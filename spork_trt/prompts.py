@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks and calibration: ../shared/data (MT-bench first turns, HumanEval prompts), long
+"""Prompt sets for benchmarks and calibration: spork_trt/data (MT-bench first turns, HumanEval prompts, each with its
+license; shipped in the package), long
 inputs made from Python's own documentation (`long_docs`, and `rag_mix`: MT-bench with every third prompt a long
 one), or any FastChat-style JSONL."""
 from __future__ import annotations
@@ -10,20 +11,29 @@ from pathlib import Path
 
 from .errors import UserError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # shipped with the package (pyproject's package-data)
+
+
+def data_file(*parts: str) -> Path:
+    """A shipped prompt file, or one clear line saying how to get it back."""
+    path = DATA.joinpath(*parts)
+    if not path.is_file():
+        raise UserError(f"prompt data {path} is missing: it ships with spork_trt (restore it with `git checkout -- "
+                        f"spork_trt/data` or reinstall the package)")
+    return path
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[dict]:
     """[{"id", "category", "prompt"}] for "mt_bench", "humaneval" or a JSONL path with `turns`."""
     if name == "mt_bench":
-        rows = read_jsonl(DATA / "mt_bench" / "question.jsonl")
+        rows = read_jsonl(data_file("mt_bench", "question.jsonl"))
         out = [{"id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
     elif name == "long_docs":
         out = long_docs()
     elif name == "rag_mix":
         out = rag_mix(load_prompts("mt_bench"), long_docs())
     elif name == "humaneval":
-        with gzip.open(DATA / "humaneval" / "HumanEval.jsonl.gz", "rt") as fh:
+        with gzip.open(data_file("humaneval", "HumanEval.jsonl.gz"), "rt") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
         out = [{"id": r["task_id"], "category": "coding",
                 "prompt": "Complete the following Python function:\n" + r["prompt"]} for r in rows]

@@ -13,7 +13,6 @@ from spork_trt.config import ModelConfig
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def tiny_config(**over) -> ModelConfig:
@@ -75,7 +74,9 @@ def default_tokenizer(default_checkpoint):
 
 def mt_bench_prompts(n: int) -> list[str]:
     """The first turn of the first `n` MT-bench questions, one per category in turn."""
-    rows = [json.loads(line) for line in (DATA / "mt_bench" / "question.jsonl").read_text().splitlines() if line]
+    from spork_trt.prompts import data_file
+
+    rows = [json.loads(line) for line in data_file("mt_bench", "question.jsonl").read_text().splitlines() if line]
     by_cat: dict[str, list[str]] = {}
     for r in rows:
         by_cat.setdefault(r["category"], []).append(r["turns"][0])

@@ -3,7 +3,12 @@ needs), its text is not in the shipped datastore's corpus (no learned artifact s
 prompt in every three."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from spork_trt import manifest as mf
+from spork_trt.errors import UserError
 from spork_trt.export.artifacts import load_corpus, shipped
 from spork_trt.prompts import load_prompts
 
@@ -30,3 +35,22 @@ def test_the_rag_mix_is_one_long_prompt_in_three():
     assert [r["category"] == "long" for r in mix] == [k % 3 == 2 for k in range(30)]
     assert [r["prompt"] for r in mix[2::3]] == [r["prompt"] for r in long[:10]]
     assert [r["prompt"] for r in mix if r["category"] != "long"] == [r["prompt"] for r in load_prompts("mt_bench", 20)]
+
+
+def test_the_prompt_sets_ship_in_the_checkout_with_their_licenses():
+    """Nothing is read from beside the checkout: a clone alone runs the benchmarks and the tests."""
+    from spork_trt.prompts import DATA, load_prompts
+
+    root = Path(__file__).resolve().parents[1]
+    assert DATA.is_relative_to(root)
+    assert len(load_prompts("mt_bench")) == 80 and len(load_prompts("humaneval")) == 164
+    assert "Apache License" in (DATA / "mt_bench" / "LICENSE").read_text()
+    assert "MIT" in (DATA / "humaneval" / "LICENSE").read_text()
+
+
+def test_a_missing_prompt_file_is_one_line_naming_how_to_get_it(monkeypatch, tmp_path):
+    from spork_trt import prompts
+
+    monkeypatch.setattr(prompts, "DATA", tmp_path)
+    with pytest.raises(UserError, match=r"prompt data .*question.jsonl is missing: .*git checkout -- spork_trt/data"):
+        prompts.load_prompts("mt_bench")
