@@ -25,7 +25,7 @@ from pathlib import Path
 from spork_trt import atomic
 from spork_trt.errors import UserError
 from spork_trt.io_spec import SERVED_MODES
-from spork_trt.prompts import DATA, read_jsonl
+from spork_trt.prompts import data_file, read_jsonl
 
 from .prompts import git_sha, levels_arg
 from .run import command
@@ -35,7 +35,7 @@ from .serve import pct
 def conversations(name: str) -> list[tuple[str, str]]:
     """(first question, second question) of each MT-bench question (or a JSONL file with two `turns`); the levels
     take `--limit` of them each, in turn."""
-    rows = read_jsonl(DATA / "mt_bench" / "question.jsonl" if name == "mt_bench" else Path(name))
+    rows = read_jsonl(data_file("mt_bench", "question.jsonl") if name == "mt_bench" else Path(name))
     out = [(r["turns"][0], r["turns"][1]) for r in rows if len(r.get("turns", ())) >= 2]
     if not out:
         raise UserError(f"{name}: no question with two turns")
