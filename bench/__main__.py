@@ -71,7 +71,7 @@ def add_common(p) -> None:
 def add_dtype(p) -> None:
     p.add_argument("--dtype", choices=("fp32",) + CPU_TORCH_DTYPES, default="fp32",
                    help="bf16, int4: the spork and plain arms run the --engines build's checkpoint on the CPU torch "
-                        "engine (engines/onednn_engine.py: bf16 on oneDNN's kernels; int4 on its own 4-bit blocks), "
+                        "engine (engines/cpu/engine.py: bf16 on oneDNN's kernels; int4 on its own 4-bit blocks), "
                         "not its ONNX target (default: %(default)s)")
 
 

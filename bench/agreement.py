@@ -17,8 +17,8 @@ from spork_trt.draft_kinds import SELF, named
 from spork_trt.engines import forward_chain, prefill
 from spork_trt.errors import UserError
 from spork_trt import atomic
-from spork_trt import manifest as mf
-from spork_trt.runtime import Runtime
+from spork_trt.checkpoint import manifest as mf
+from spork_trt.loop.runtime import Runtime
 
 from .costs import median_ms
 from .head_agreement import head_rows, head_table

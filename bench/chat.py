@@ -88,10 +88,10 @@ def level(client, model: str, todo: list[tuple[str, str]], conc: int, max_tokens
 def serve_and_measure(engines: Path, out: Path, reuse: bool, mode: str, a, levels: list[int], convs) -> list[dict]:
     from openai import OpenAI
 
-    from spork_trt.openai_api.server import FrontConfig, OpenAIServer
-    from spork_trt.serve import ServerConfig, TritonServer, free_port
-    from spork_trt.serving_cli import served_target
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.openai_api.server import FrontConfig, OpenAIServer
+    from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port
+    from spork_trt.cli.serving import served_target
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(engines, out / f"repo-reuse-{'on' if reuse else 'off'}", slots=a.slots,
                              max_queue=max(levels), prefix_reuse=reuse))

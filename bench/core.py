@@ -1,7 +1,7 @@
 """`python -m bench core`: the engine core in process under load, spork vs plain, priced free of machine drift.
 
 Per concurrency N: `--limit` prompts (cycled up to N) run through one engine core with N slots, N requests in flight
-(a finished request's slot takes the next at once: spork_trt.generate.run_many), each mode in turn, `--rounds`
+(a finished request's slot takes the next at once: spork_trt.loop.generate.run_many), each mode in turn, `--rounds`
 times with the modes' order alternating. Every target forward is timed (its sequences, tokens, whether it is a
 prefill chunk). Two rates per run:
 - wall: output tokens over the run's wall time;
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from spork_trt import atomic
-from spork_trt.admission import size_request
+from spork_trt.loop.admission import size_request
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import UserError
-from spork_trt.generate import run_many
+from spork_trt.loop.generate import run_many
 from spork_trt.io_spec import request_config
 
 from .prompts import git_sha, levels_arg, load_prompts
@@ -148,7 +148,7 @@ def run_level(rt, ids: list[list[int]], clients: int, mode: str, rnd: int, cfg: 
 
 
 def main(args) -> int:
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     levels = levels_arg(args.concurrency, "--concurrency")
     modes = [m for m in args.modes.split(",") if m]

@@ -23,8 +23,8 @@ import torch
 from spork_trt.config import SamplingConfig
 from spork_trt.draft_kinds import EAGLE, is_kind
 from spork_trt.engines import SeqInput, chain_input, prefill
-from spork_trt.runtime import Runtime
-from spork_trt.tree import chain_parents, compile_tree
+from spork_trt.loop.runtime import Runtime
+from spork_trt.spec.tree import chain_parents, compile_tree
 
 
 def median_ms(fn, repeats: int) -> float:

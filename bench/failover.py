@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from spork_trt import atomic
-from spork_trt.client import ClientConfig, query
+from spork_trt.serving.triton_client import ClientConfig, query
 from spork_trt.errors import UserError
 
 from .prompts import git_sha, load_prompts
@@ -60,8 +60,8 @@ def client(k: int, rs, refs: dict, deadline: float, count: Count) -> None:
 
 
 def phase(name: str, a, repo: Path, refs: dict, out: Path) -> dict:
-    from spork_trt.replicas import ReplicaSet
-    from spork_trt.serve import ServerConfig, free_port
+    from spork_trt.serving.replicas import ReplicaSet
+    from spork_trt.serving.triton_server import ServerConfig, free_port
 
     cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                        log_file=out / name / "tritonserver.log", drain_timeout_s=a.drain_timeout)
@@ -88,8 +88,8 @@ def phase(name: str, a, repo: Path, refs: dict, out: Path) -> dict:
 def main(a) -> int:
     from spork_trt.config import GenerateConfig
     from spork_trt.config import AUTO_DTYPE
-    from spork_trt.runtime import Runtime
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     if a.clients < 1 or a.duration <= 0:
         raise UserError("--clients and --duration must be positive")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from spork_trt import atomic
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.config import CPU_TORCH_DTYPES
 from spork_trt.engines import chain_input, load_engine
 from spork_trt.errors import UserError
@@ -74,7 +74,7 @@ def target_of(build: Path) -> tuple[object, str, object]:
 
 
 def main(a) -> int:
-    from spork_trt.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
 
     builds = [Path(b) for b in a.builds]
     dtypes = torch_lever.parse_dtypes(a.torch)
@@ -97,8 +97,8 @@ def main(a) -> int:
         rows.append(Fidelity(str(b), p + (" (checkpoint blocks)" if m["engines"]["target"].get("weights") else ""),
                              sum(len(t) for t in texts), top1, kl, p99, ppl, ref_ppl))
     for d in torch_lever.parse_dtypes(a.cpu_torch, CPU_TORCH_DTYPES, "--cpu-torch"):  # the reference build's checkpoint on the CPU torch engine (served targets)
-        from spork_trt.engines.onednn_engine import cpu_target
-        from spork_trt.runtime import source_checkpoint
+        from spork_trt.engines.cpu.engine import cpu_target
+        from spork_trt.loop.runtime import source_checkpoint
 
         engine = cpu_target(source_checkpoint(rm), d)
         top1, kl, p99, ppl, ref_ppl = compare(ref, [logits(engine, ids) for ids in texts], texts)

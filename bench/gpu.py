@@ -19,20 +19,20 @@ from pathlib import Path
 import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.request import Submission
-from spork_trt.datastore import Datastore
+from spork_trt.loop.request import Submission
+from spork_trt.spec.datastore import Datastore
 from spork_trt.draft_kinds import NGRAM, STORE
-from spork_trt.drafters import NgramDrafter, StoreDrafter
+from spork_trt.spec.drafters import NgramDrafter, StoreDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.device_engine import DeviceEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt import atomic
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.export.artifacts import load_corpus, shipped
-from spork_trt.generate import generate, run_many
+from spork_trt.loop.generate import generate, run_many
 from spork_trt.prompts import load_prompts
-from spork_trt.tokenizer import load_tokenizer
-from spork_trt.weights import load_checkpoint
+from spork_trt.checkpoint.tokenizer import load_tokenizer
+from spork_trt.checkpoint.weights import load_checkpoint
 
 # the store's tree for a GPU, where a 64-node forward costs about 1.4 one-token ones (issue 18's measurement):
 # `python -m bench replay --shapes default,8x8x64 --costs 1:2.2,16:3.0,64:3.1,256:3.3` estimates it commits 7-17%

@@ -38,7 +38,7 @@ case "$step" in
 prepare)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
     rm -rf .gpu && mkdir -p .gpu/part1 .gpu/part2 .gpu/wheels .gpu/prompts
-    gguf=$(.venv/bin/python -c 'from spork_trt.weights import default_gguf_path; print(default_gguf_path())')
+    gguf=$(.venv/bin/python -c 'from spork_trt.checkpoint.weights import default_gguf_path; print(default_gguf_path())')
     sha256sum "$gguf" | cut -d' ' -f1 > .gpu/part2/sha256
     split -b 50000000 "$gguf" .gpu/model.gguf.
     mv .gpu/model.gguf.aa .gpu/part1/ && mv .gpu/model.gguf.ab .gpu/part2/

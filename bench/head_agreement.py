@@ -14,14 +14,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from spork_trt.draft_head import load_head, target_to_draft
+from spork_trt.spec.draft_head import load_head, target_to_draft
 from spork_trt.errors import UserError
 from spork_trt.export.artifacts import head_source
 from spork_trt.learn.head_data import extract
 from spork_trt.learn.head_eval import CONFIDENCE, evaluate
 from spork_trt.learn.train_draft import TrainConfig
 from spork_trt.learn.unroll import Teacher
-from spork_trt.weights import load_checkpoint
+from spork_trt.checkpoint.weights import load_checkpoint
 
 
 def head_rows(head_arg: str, source: dict, refs: dict[str, list[tuple[list[int], list[int]]]],

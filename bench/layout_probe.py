@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 
 H, HKV, D = 9, 3, 64
 G = H // HKV
-NEG = float(np.finfo(np.float32).min)  # spork_trt.model.mask_bias's masked value
+NEG = float(np.finfo(np.float32).min)  # spork_trt.checkpoint.transformer.mask_bias's masked value
 ROW_BLOCK = 16  # spork_trt.engines.staging.ROW_BLOCK
 F = TensorProto.FLOAT
 

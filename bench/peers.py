@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from spork_trt.errors import UserError
-from spork_trt.weights import Checkpoint
+from spork_trt.checkpoint.weights import Checkpoint
 
 Run = Callable[[list[int], int, frozenset[int]], list[int]]  # (prompt ids, max new, EOS ids) -> ids, EOS excluded
 LOOKUP = 10  # draft tokens per prompt lookup step, both peers

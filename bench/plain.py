@@ -16,9 +16,9 @@ import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.generate import generate
-from spork_trt.tokenizer import load_tokenizer
-from spork_trt.weights import Checkpoint, load_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.tokenizer import load_tokenizer
+from spork_trt.checkpoint.weights import Checkpoint, load_checkpoint
 
 from .prompts import git_sha, load_prompts
 
@@ -86,7 +86,7 @@ def main(args) -> int:
     arms = [run_engine("spork_trt torch plain", TorchEngine(ck.model), prompts, args.max_new_tokens)]
     if args.engines:
         from spork_trt.engines import load_engine
-        from spork_trt import manifest as mf
+        from spork_trt.checkpoint import manifest as mf
 
         m = mf.read(Path(args.engines))
         target = load_engine(Path(args.engines), m["engines"]["target"], ck.cfg)

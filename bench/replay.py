@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spork_trt.config import SpecConfig
-from spork_trt.cost_model import PRIOR_SLOPE, CostModel
-from spork_trt.datastore import SEP, Datastore
+from spork_trt.spec.cost_model import PRIOR_SLOPE, CostModel
+from spork_trt.spec.datastore import SEP, Datastore
 from spork_trt.draft_kinds import NGRAM, STORE, is_kind
-from spork_trt.drafters import NgramDrafter, StoreDrafter
+from spork_trt.spec.drafters import NgramDrafter, StoreDrafter
 from spork_trt.errors import UserError
-from spork_trt.scheduler import Scheduler, allot
-from spork_trt.tree import DraftTree
-from spork_trt.verify import Verdict
+from spork_trt.spec.scheduler import Scheduler, allot
+from spork_trt.spec.tree import DraftTree
+from spork_trt.spec.verification import Verdict
 
 DRAFTS = (NGRAM, STORE)  # the drafters that need no model
 Cost = Callable[[int], float]  # a target forward of n tokens, in one-token forwards
@@ -145,8 +145,8 @@ def shapes(text: str) -> list[tuple[int, int, int] | None]:
 
 
 def main(a) -> int:
-    from spork_trt import manifest as mf
-    from spork_trt.tokenizer import load_tokenizer
+    from spork_trt.checkpoint import manifest as mf
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
 
     bad = [d for d in a.drafts if not any(is_kind(d, kind) for kind in DRAFTS)]
     if bad:

@@ -10,7 +10,7 @@ sequence of T new tokens after a committed context, and B sequences of one token
 requests). The bandwidth is torch summing a 512 MB array, the peak torch's fp32 (and bf16) matmul at 2048^3, all
 with this process's threads. `--torch bf16,fp32` adds the lever of bench/torch_lever.py (the reference model under
 torch.compile, not an engine) at the same shapes, bounded by its dtype's bytes and peak; `--dtype bf16` the build's
-checkpoint on the bf16 oneDNN engine (an engine: engines/onednn_engine.py), bounded by bf16 bytes and peak."""
+checkpoint on the bf16 oneDNN engine (an engine: engines/cpu/engine.py), bounded by bf16 bytes and peak."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from spork_trt import atomic
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.engines import chain_input, load_engine
 
 from .costs import median_ms
@@ -57,7 +57,7 @@ def measure_machine(repeats: int = 5) -> Machine:
     a = torch.ones(128 << 20)  # 512 MB, past every cache
     a.sum()
     t = min(timed(a.sum) for _ in range(repeats))  # torch's threads, as the engines read
-    from spork_trt.engines.onednn_engine import onednn_bf16_available
+    from spork_trt.engines.cpu.engine import onednn_bf16_available
 
     peaks = []
     for dtype in (torch.float32, torch.bfloat16)[:2 if onednn_bf16_available() else 1]:  # no oneDNN bf16: ATen's
@@ -104,15 +104,15 @@ def cpu_torch_points(build: Path, dtype: str, machine: Machine, ts: list[int], b
                      ) -> list[Point]:
     """The build's checkpoint on the CPU torch engine in `dtype` (bf16 | int4: `--dtype` of generate, bench run and
     serve)."""
-    from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear, Q8Linear
-    from spork_trt.engines.onednn_engine import built_on_one_thread, cpu_target
-    from spork_trt.runtime import source_checkpoint
+    from spork_trt.engines.cpu.linears import Int4Linear, PackedLinear, Q8Linear
+    from spork_trt.engines.cpu.engine import built_on_one_thread, cpu_target
+    from spork_trt.loop.runtime import source_checkpoint
 
     with built_on_one_thread():
         engine = cpu_target(source_checkpoint(mf.read(build)), dtype)
     linears = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, PackedLinear, Q8Linear))]
     cost = sum(m.weight_bytes for m in linears), sum(m.weight_numel for m in linears)
-    from spork_trt.engines.int4_kernel import arithmetic
+    from spork_trt.engines.cpu.kernels import arithmetic
 
     fp32 = machine.bf16_gflops is None or (dtype == "int4" and arithmetic() == "avx2")  # its matmuls: fp32 fmas
     return engine_points(engine, build, f"{dtype} (CPU torch engine, {arithmetic()})" if dtype == "int4" else

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spork_trt import atomic
-from spork_trt.client import ClientConfig, query
+from spork_trt.serving.triton_client import ClientConfig, query
 from spork_trt.errors import UserError
 
 from .prompts import git_sha, levels_arg, load_prompts
@@ -115,7 +115,7 @@ def local_arm(engines: Path, prompts: list[str], mode: str, max_tokens: int, dty
     """Local generate on the same engines, same prompts, one at a time: the no-server reference."""
     from spork_trt.config import GenerateConfig, SpecConfig
     from spork_trt.draft_kinds import AUTO_DRAFT
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_build(engines, dtype)
     spec = SpecConfig.for_draft(AUTO_DRAFT)  # what the server renders (--draft auto)
@@ -203,9 +203,9 @@ def paired_ratios(levels: list[dict], modes: list[str], key: str = "output_token
 
 
 def main(a) -> int:
-    from spork_trt.serve import ServerConfig, TritonServer, free_port
-    from spork_trt.runtime import build_target_device
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port
+    from spork_trt.loop.runtime import build_target_device
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     engines = Path(a.engines or "engines/default")
     levels = levels_arg(a.concurrency, "--concurrency")

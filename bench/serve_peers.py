@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spork_trt import atomic
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.errors import UserError
 
 from .chat import streamed
@@ -59,9 +59,9 @@ def sweep(base_url: str, model: str, prompts: list[str], levels: list[int], a, m
 
 
 def ours(engines: Path, out: Path, prompts: list[str], levels: list[int], a) -> list[dict]:
-    from spork_trt.openai_api.server import FrontConfig, OpenAIServer
-    from spork_trt.serve import ServerConfig, TritonServer, free_port
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.openai_api.server import FrontConfig, OpenAIServer
+    from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(engines, out / "repo", slots=a.slots, max_queue=max(levels)))
     with TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(),
@@ -74,7 +74,7 @@ def ours(engines: Path, out: Path, prompts: list[str], levels: list[int], a) -> 
 
 
 def llama(binary: Path, gguf: Path, out: Path, prompts: list[str], levels: list[int], a) -> list[dict]:
-    from spork_trt.serve import free_port
+    from spork_trt.serving.triton_server import free_port
 
     port, cores = free_port(), os.cpu_count() or 1
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(a.slots),
@@ -91,7 +91,7 @@ def llama(binary: Path, gguf: Path, out: Path, prompts: list[str], levels: list[
 
 
 def wait_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
-    from spork_trt.serve import wait_http_ok
+    from spork_trt.serving.triton_server import wait_http_ok
 
     state = wait_http_ok(url, proc, timeout_s)
     if state == "exited":

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from spork_trt import atomic
-from spork_trt.client import ClientConfig, query
+from spork_trt.serving.triton_client import ClientConfig, query
 from spork_trt.errors import UserError, retryable
 
 from .prompts import git_sha, load_prompts
@@ -192,9 +192,9 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
 def main(a) -> int:
     from spork_trt.config import GenerateConfig, SamplingConfig
     from spork_trt.config import AUTO_DTYPE
-    from spork_trt.runtime import Runtime
-    from spork_trt.serve import ServerConfig, TritonServer, free_port
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     mix = (a.bad, a.cancel, a.deadline, a.sampled)
     if a.clients < 1 or a.duration <= 0 or min(mix) < 0 or not sum(mix) < 1:

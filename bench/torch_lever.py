@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.errors import UserError
-from spork_trt.model import Transformer
-from spork_trt.weights import load_checkpoint
+from spork_trt.checkpoint.transformer import Transformer
+from spork_trt.checkpoint.weights import load_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

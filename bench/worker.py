@@ -12,7 +12,7 @@ from spork_trt import atomic
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.io_spec import request_config
-from spork_trt.runtime import Runtime
+from spork_trt.loop.runtime import Runtime
 
 from .arms import parse_arm
 from .prompts import git_sha, load_prompts
@@ -27,9 +27,9 @@ def make_runner(arm, a):
               else Runtime.load(a.model))
         return rt.backend, rt.tokenizer, lambda ids, cfg: (lambda r: (r.token_ids, r.stats))(
             rt.generate(ids, cfg, arm.mode, arm.spec))
-    from spork_trt.stats import Stats
-    from spork_trt.tokenizer import load_tokenizer
-    from spork_trt.weights import load_checkpoint
+    from spork_trt.loop.stats import Stats
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.weights import load_checkpoint
 
     from .peers import PEERS
 
@@ -37,7 +37,7 @@ def make_runner(arm, a):
         raise UserError("peer arms are timed greedy only: use --temperature 0")
     source, cache = a.model, Path(".cache/peers")
     if a.engines:
-        from spork_trt import manifest as mf
+        from spork_trt.checkpoint import manifest as mf
 
         source = mf.read(Path(a.engines))["source"]["path"]  # the checkpoint the engines were built from
         cache = Path(a.engines) / "peers"

@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--engines", default=str(BuildConfig.out), help="a build folder (default: %(default)s)")
     t.add_argument("--out", default=None, help="repository folder (default: ENGINES/triton_repo)")
     from spork_trt.config import AUTO_DTYPE, DEVICE_DTYPES, TARGET_DTYPES
-    from spork_trt.triton_repo import PROFILES, RepoConfig
+    from spork_trt.serving.triton_repo import PROFILES, RepoConfig
 
     t.add_argument("--profile", choices=PROFILES, default="cpu",
                    help="cpu: ONNX Runtime CPU; gpu: the device engine on CUDA (CUDA graphs, KV pool on the GPU), "
@@ -223,7 +223,7 @@ def convert_head(a) -> int:
 
     taps = parse_taps(a.taps)
     if not taps:
-        from spork_trt.weights import load_checkpoint
+        from spork_trt.checkpoint.weights import load_checkpoint
 
         taps = default_taps(load_checkpoint(a.model).cfg.n_layers)
     convert(Path(a.src), Path(a.out), taps)
@@ -241,7 +241,7 @@ def train_draft(a) -> int:
 
 
 def pack(a) -> int:
-    from spork_trt import manifest as mf
+    from spork_trt.checkpoint import manifest as mf
     from spork_trt.export.artifacts import ARTIFACTS, pack
 
     out = Path(a.out) if a.out else ARTIFACTS / Path(mf.read(Path(a.engines))["source"]["path"]).stem.lower()
@@ -271,7 +271,7 @@ def calibrate(a) -> int:
 
 
 def triton(a) -> int:
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     device = "" if a.device == "onnx" else a.device
     repo = render(RepoConfig(Path(a.engines), Path(a.out) if a.out else None, a.profile, a.instances, a.slots,
@@ -282,7 +282,7 @@ def triton(a) -> int:
 
 
 def inspect(a) -> int:
-    from spork_trt import manifest as mf
+    from spork_trt.checkpoint import manifest as mf
 
     d = Path(a.engines)
     m = mf.read(d, verify=a.verify)
@@ -309,7 +309,7 @@ def inspect(a) -> int:
 
 
 def add_k8s_command(sub) -> None:
-    from spork_trt.k8s import K8sConfig as K
+    from spork_trt.serving.k8s import K8sConfig as K
 
     k = sub.add_parser("k8s", help="kustomize manifests for a build: Triton Deployment with probes and drain, "
                        "Service, PodDisruptionBudget, HPA on the spork queue, prometheus-adapter rules",
@@ -330,7 +330,7 @@ def add_k8s_command(sub) -> None:
 
 
 def k8s(a: argparse.Namespace) -> int:
-    from spork_trt.k8s import K8sConfig, render
+    from spork_trt.serving.k8s import K8sConfig, render
 
     written = render(K8sConfig(engines=Path(a.engines), out=Path(a.out), image=a.image, namespace=a.namespace,
                                replicas=a.replicas, max_replicas=a.max_replicas, drain_s=a.drain,

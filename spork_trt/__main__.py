@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from spork_trt.cli.main import main
 
 sys.exit(main())

@@ -5,9 +5,9 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from .errors import FieldError
+from spork_trt.errors import FieldError
 
-from .draft_kinds import NGRAM, default_shape, tree_room
+from spork_trt.draft_kinds import NGRAM, default_shape, tree_room
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class GenerateConfig:
 
 
 DEVICE_DTYPES = ("bf16", "fp16", "fp32")  # the device engine's precisions (--dtype)
-CPU_TORCH_DTYPES = ("bf16", "int4")  # the CPU torch engine's (engines/onednn_engine.py; int4: the checkpoint's blocks)
+CPU_TORCH_DTYPES = ("bf16", "int4")  # the CPU torch engine's (engines/cpu/engine.py; int4: the checkpoint's blocks)
 TARGET_DTYPES = DEVICE_DTYPES + ("int4",)  # every --dtype of a torch target (int4 on the CPU only)
 AUTO_DTYPE = "auto"  # --dtype: the build's default target on this host (engines/default_target.py)
 # fp32 by default: on an H200 (bench/gpu_check.sh, docs/engines.md) fp32 was lossless (trees, batches and the CPU

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UserError
+from spork_trt.errors import UserError
 
 Shape = tuple[int, int, int]  # a tree: (width K: forks per node and nodes per depth, depth M, budget N: draft nodes)
 

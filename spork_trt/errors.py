@@ -22,7 +22,7 @@ class FieldError(UserError):
 
 # words every "try again" answer of the server carries (a full queue, a draining or failed instance; Triton's own
 # full queue in front of a unary model): the request did nothing, so a client may send it again, later or to another
-# replica (client.py, openai_api/upstream.py)
+# replica (triton_client.py, openai_api/upstream.py)
 RETRY_HINTS = ("retry later", "retry on another instance", "Exceeds maximum queue size")
 
 

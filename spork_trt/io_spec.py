@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .config import GenerateConfig, ModelConfig, SamplingConfig
-from .errors import FieldError
+from spork_trt.config import GenerateConfig, ModelConfig, SamplingConfig
+from spork_trt.errors import FieldError
 
 # symbolic dims: batch B, new tokens T, past positions P, total S = P + T, logit rows R (asked-for rows of B x T;
 # GQA: of the N packed tokens), packed tokens N (GQA: every sequence's new tokens, one after another)
@@ -315,7 +315,7 @@ def error_kind(message: str) -> str:
     with this kind's code. "unavailable": a refusal to retry (errors.RETRY_HINTS); "invalid": a bad field (a bad
     input's message starts with the name of one of the steps' inputs, e.g. `text_input is empty`); else
     "internal"."""
-    from .errors import retryable
+    from spork_trt.errors import retryable
 
     if retryable(message):
         return "unavailable"

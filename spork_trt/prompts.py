@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from .errors import UserError
+from spork_trt.errors import UserError
 
 DATA = Path(__file__).resolve().parent / "data"  # shipped with the package (pyproject's package-data)
 

@@ -26,7 +26,7 @@ def write_selfdata(target, d: Path, n: int = 160, new_tokens: int = 40) -> Path:
     """A self-data folder in `d`: the target's greedy continuations of `n` seeded random 6-token prompts."""
     from spork_trt.config import GenerateConfig
     from spork_trt.engines.torch_engine import TorchEngine
-    from spork_trt.generate import generate
+    from spork_trt.loop.generate import generate
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -59,14 +59,14 @@ def run_core(core, subs: list, join_at: dict[int, int] | None = None) -> dict:
 
 @pytest.fixture(scope="session")
 def default_checkpoint():
-    from spork_trt.weights import load_checkpoint
+    from spork_trt.checkpoint.weights import load_checkpoint
 
     return load_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_checkpoint):
-    from spork_trt.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
 
     ck = default_checkpoint
     return load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
@@ -92,7 +92,7 @@ def humaneval_prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def default_runtime():
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     return Runtime.load()
 
@@ -115,8 +115,8 @@ def onnx_head_step_matching(head, d: Path):
     and new KV rows over a cache, for a chain and then rows after it."""
     from spork_trt.engines.onnx_head import OnnxHead
     from spork_trt.export.onnx_graph import export_head_onnx
-    from spork_trt.kv_cache import KVCache
-    from spork_trt.model import causal_mask
+    from spork_trt.engines.kv_cache import KVCache
+    from spork_trt.checkpoint.transformer import causal_mask
 
     step = OnnxHead(export_head_onnx(head, d / "head.onnx"), head.hc.layer_config())
     gen = torch.Generator().manual_seed(5)

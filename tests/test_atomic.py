@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from spork_trt import atomic
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.errors import UserError
 from spork_trt.export import build as build_mod
 from spork_trt.export.build import BuildConfig, build
-from spork_trt.runtime import Runtime
-from spork_trt.tokenizer import load_tokenizer
-from spork_trt.triton_repo import RepoConfig, ensure_rendered
-from spork_trt.weights import default_gguf_path
+from spork_trt.loop.runtime import Runtime
+from spork_trt.checkpoint.tokenizer import load_tokenizer
+from spork_trt.serving.triton_repo import RepoConfig, ensure_rendered
+from spork_trt.checkpoint.weights import default_gguf_path
 from tests.test_weights import hf_tiny
 
 FIX = r"rebuild with `python -m export build --out .* --force`"

@@ -1,4 +1,4 @@
-"""spork::attend (engines/attention_kernel.cpp): the CPU torch engine's attention read from the pool in place. It must
+"""spork::attend (engines/cpu/avx512_attention.cpp): the CPU torch engine's attention read from the pool in place. It must
 compute softmax(q k^T / sqrt(D)) v over the columns each row attends (against a float64 reference), and give a row
 the same bits alone, in a chain, in a batch, in a wider window, with its keys at other columns (a tree's), on one
 thread or two, and whichever rows share its work item (8 rows of one sequence and KV head). On a CPU with AMX the
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from spork_trt.engines import int4_kernel
+from spork_trt.engines.cpu import kernels as int4_kernel
 
 pytestmark = pytest.mark.skipif(int4_kernel.kernel() != "spork", reason="spork's CPU kernels need AVX512-BF16")
 

@@ -64,7 +64,7 @@ def test_llama_cpp_prompt_lookup_answers_past_512_tokens(tmp_path):
     crashed the arm (`could not broadcast`) on full MT-bench. Runs where `make bench-peers` installed it."""
     pytest.importorskip("llama_cpp")
     from bench.peers import llama_runner
-    from spork_trt.weights import load_checkpoint
+    from spork_trt.checkpoint.weights import load_checkpoint
 
     run = llama_runner("", 10, load_checkpoint(), tmp_path)
     assert len(run(list(range(1000, 1560)), 64, frozenset())) == 64
@@ -72,7 +72,7 @@ def test_llama_cpp_prompt_lookup_answers_past_512_tokens(tmp_path):
 
 def test_llama_cpp_peer_wants_a_gguf(tmp_path):
     from bench.peers import PEERS
-    from spork_trt.weights import Checkpoint
+    from spork_trt.checkpoint.weights import Checkpoint
 
     with pytest.raises(UserError, match="GGUF"):
         PEERS["llama-cpp"].load(Checkpoint(None, tmp_path, "hf"), tmp_path)

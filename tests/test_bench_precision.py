@@ -7,7 +7,7 @@ from bench.fidelity import compare
 from bench.roofline import weight_cost
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import quantize
-from spork_trt.weights import random_checkpoint
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from bench.replay import Replayed, cost_curve, replay, shapes, subset
 from spork_trt.config import SpecConfig
-from spork_trt.datastore import SEP, Datastore
+from spork_trt.spec.datastore import SEP, Datastore
 from spork_trt.errors import UserError
 from tests.test_spork_keystone import PROMPTS, drafter_for, run, target  # noqa: F401 (the module's fixture)
 
@@ -30,7 +30,7 @@ def test_fixed_shape_replay_takes_the_engine_cores_steps(target, kind, width, de
 def test_replay_of_a_perfect_store_accepts_whole_chains():
     answer = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     store = Datastore.build([[1, 2, 3, 4, *answer]])
-    from spork_trt.drafters import NgramDrafter, StoreDrafter
+    from spork_trt.spec.drafters import NgramDrafter, StoreDrafter
 
     spec = SpecConfig(tree_width=1, tree_depth=4, tree_budget=4, adaptive=False)
     r = replay(StoreDrafter(NgramDrafter(4), store), spec, [1, 2, 3, 4], answer, cost_curve("1:1,5:2"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spork_trt.verifier import HEAD_GLOB, head_file
+from spork_trt.spec.verifier import HEAD_GLOB, head_file
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from spork_trt.cancel_board import CancelBoard, new_key
+from spork_trt.serving.cancel_board import CancelBoard, new_key
 from spork_trt.errors import UserError
-from spork_trt.serve_request import Limits, is_cancel, parse_request
+from spork_trt.serving.request_tensors import Limits, is_cancel, parse_request
 
 IDS = np.array([[5, 6, 7, 8]], np.int32)  # [1, n]
 
@@ -80,7 +80,7 @@ def test_a_cancel_is_a_key_without_input_ids():
 @pytest.fixture(scope="module")
 def service(default_runtime, tmp_path_factory):
     from spork_trt.config import SpecConfig
-    from spork_trt.service import Service
+    from spork_trt.serving.engine_service import Service
 
     s = Service(default_runtime, SpecConfig.for_draft("ngram"), board=CancelBoard(tmp_path_factory.mktemp("board")))
     yield s

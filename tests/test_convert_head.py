@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import save_file
 
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.draft_head import load_head
-from spork_trt.eagle import EagleDrafter, lookup
+from spork_trt.spec.draft_head import load_head
+from spork_trt.spec.eagle import EagleDrafter, lookup
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
 from spork_trt.learn.convert_head import convert
-from spork_trt.generate import generate
-from spork_trt.model import causal_mask
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import onnx_head_step_matching, tiny_config
 
 C, H, HKV, D, F, V, N = 64, 4, 2, 16, 128, 48, 40

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.drafters import ModelDrafter, NgramDrafter
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.spec.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import QueueFull, UserError
 from spork_trt.export.onnx_graph import export_onnx
-from spork_trt.generate import generate
-from spork_trt.request import Submission
-from spork_trt.sampling import make_generator
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.loop.request import Submission
+from spork_trt.spec.sampling import make_generator
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import core_requests, run_core, tiny_config
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31], [7, 8]]
@@ -137,8 +137,8 @@ def test_model_drafters_propose_together_what_they_propose_alone(tiny, kind):
     """drive: three drafters' catch-up chains and tree depths run as one forward per depth (each depth sees the
     committed rows, its chain and only its own ancestors' pending rows: SeqInput.seen); trees, scores and the rows
     they leave equal each drafter proposing alone, over two rounds with commits between."""
-    from spork_trt.drafters import drive
-    from spork_trt.verify import Verdict
+    from spork_trt.spec.drafters import drive
+    from spork_trt.spec.verification import Verdict
 
     spec = SpecConfig(tree_width=2, tree_depth=3, tree_budget=5)
     shared = early_engine(tiny, kind)  # together: one engine for the three, as a runtime has; alone: one each
@@ -204,8 +204,8 @@ def test_steps_the_draft_switch_turns_off_decode_plain_and_stay_lossless(tiny, m
     """With the switch measuring proposing steps as slower, only its probe steps (every PROBE_EVERY-th) propose;
     the tokens stay plain greedy decoding's. (The switch decides from 2 requests here, SWITCHED patched: the test
     has 5.)"""
-    from spork_trt import draft_switch
-    from spork_trt.draft_switch import PROBE_EVERY
+    from spork_trt.spec import draft_switch
+    from spork_trt.spec.draft_switch import PROBE_EVERY
 
     monkeypatch.setattr(draft_switch, "SWITCHED", 2)
 

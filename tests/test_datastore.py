@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from spork_trt.config import SpecConfig
-from spork_trt.datastore import KEY, SEP, Datastore
-from spork_trt.drafters import NgramDrafter, StoreDrafter
+from spork_trt.spec.datastore import KEY, SEP, Datastore
+from spork_trt.spec.drafters import NgramDrafter, StoreDrafter
 from spork_trt.errors import UserError
 from spork_trt.export import artifacts
 

@@ -6,8 +6,8 @@ import torch
 
 from spork_trt.config import GenerateConfig
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.generate import generate
-from spork_trt.model import causal_mask
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.transformer import causal_mask
 from tests.conftest import mt_bench_prompts
 
 pytestmark = pytest.mark.slow

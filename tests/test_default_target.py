@@ -8,9 +8,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from spork_trt.engines import default_target, int4_kernel, onednn_engine
+from spork_trt.engines import default_target
+from spork_trt.engines.cpu import kernels as int4_kernel, engine as onednn_engine
 from spork_trt.engines.default_target import ONNX, choose
-from spork_trt.weights import default_gguf_path
+from spork_trt.checkpoint.weights import default_gguf_path
 
 from .test_weights import hf_tiny, write_gguf
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.drafters import NgramDrafter
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.spec.drafters import NgramDrafter
 from spork_trt.engines import SeqInput, chain_input
 from spork_trt.engines.device_engine import DeviceEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
-from spork_trt.generate import generate
-from spork_trt.request import Submission
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.loop.request import Submission
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import run_core, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 3, 3, 17, 22, 9], [5] * 3 + [6, 7] * 5, [9, 9, 8]]

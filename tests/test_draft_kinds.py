@@ -22,13 +22,13 @@ from spork_trt.draft_kinds import (
     named,
     parse_draft,
 )
-from spork_trt.drafters import StoreDrafter
-from spork_trt.eagle import EagleDrafter, StoreHeadDrafter
+from spork_trt.spec.drafters import StoreDrafter
+from spork_trt.spec.eagle import EagleDrafter, StoreHeadDrafter
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
-from spork_trt.quant import int4_copy, int8_copy
-from spork_trt.runtime import Runtime
-from spork_trt.weights import random_checkpoint
+from spork_trt.checkpoint.quant_copies import int4_copy, int8_copy
+from spork_trt.loop.runtime import Runtime
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 

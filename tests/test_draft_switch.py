@@ -1,7 +1,7 @@
 """The engine core's draft switch: proposing per batch size by measured tokens/s, futility, probes."""
 from __future__ import annotations
 
-from spork_trt.draft_switch import FUTILE_BATCH, PROBE_EVERY, SWITCHED, DraftSwitch
+from spork_trt.spec.draft_switch import FUTILE_BATCH, PROBE_EVERY, SWITCHED, DraftSwitch
 
 
 def choices(sw: DraftSwitch, batch: int, n: int) -> list[bool]:

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.draft_head import load_head
-from spork_trt.eagle import EagleDrafter, lookup
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.spec.draft_head import load_head
+from spork_trt.spec.eagle import EagleDrafter, lookup
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.learn.train_draft import TrainConfig, train_draft
-from spork_trt.generate import generate
-from spork_trt.model import causal_mask
-from spork_trt.request import Submission
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.loop.request import Submission
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import onnx_head_step_matching, run_core, tiny_config, write_selfdata
 
 GREEDY = SamplingConfig()
@@ -136,7 +136,7 @@ def test_onnx_head_step_equals_the_torch_head(target, head, tmp_path):
 
 
 def test_graft_adds_the_other_trees_new_nodes_under_their_parents():
-    from spork_trt.tree import DraftTree, graft
+    from spork_trt.spec.tree import DraftTree, graft
 
     head_tree = DraftTree((7, 1, 2, 3), (-1, 0, 1, 0), score=(1.0, 0.6, 0.3, 0.2))  # 7 -> 1 -> 2, 7 -> 3
     store_tree = DraftTree((7, 1, 4, 5, 6), (-1, 0, 1, 0, 3), score=(1.0, 0.5, 0.5, 0.25, 0.25))  # 1 -> 4, 5 -> 6
@@ -157,9 +157,9 @@ def test_graft_adds_the_other_trees_new_nodes_under_their_parents():
 def test_store_eagle_greedy_equals_plain_and_uses_both_drafters(target, head, tmp_path):
     """`--draft store-eagle`: the store's tree alone where it matches long, the head's with the store's forks grafted
     on otherwise; lossless either way, alone and batched, and both branches occur."""
-    from spork_trt.datastore import Datastore
-    from spork_trt.drafters import NgramDrafter, StoreDrafter
-    from spork_trt.eagle import StoreHeadDrafter
+    from spork_trt.spec.datastore import Datastore
+    from spork_trt.spec.drafters import NgramDrafter, StoreDrafter
+    from spork_trt.spec.eagle import StoreHeadDrafter
 
     store = Datastore.build([p + run(TorchEngine(target), p, 40).token_ids for p in ([3, 1, 4], [2, 7, 1, 8])])
     trees = {"store": 0, "head": 0}
@@ -196,8 +196,8 @@ def test_store_eagle_head_drafts_no_deeper_than_the_schedulers_depth():
     after failed steps), and its nodes come tagged as the second source."""
     from types import SimpleNamespace
 
-    from spork_trt.eagle import StoreHeadDrafter
-    from spork_trt.tree import DraftTree
+    from spork_trt.spec.eagle import StoreHeadDrafter
+    from spork_trt.spec.tree import DraftTree
 
     asked = []
     store = SimpleNamespace(ngram=SimpleNamespace(max_n=4),

@@ -10,13 +10,13 @@ import threading
 import numpy as np
 import pytest
 
-from spork_trt import cli
+from spork_trt.cli import main as cli
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig
+from spork_trt.loop.engine_core import CoreConfig
 from spork_trt.errors import FieldError, UserError
 from spork_trt.io_spec import FIELDS
-from spork_trt.service import Chunk, Service
-from spork_trt.triton_steps import decode_chunk
+from spork_trt.serving.engine_service import Chunk, Service
+from spork_trt.serving.triton_steps import decode_chunk
 from tests.conftest import tiny_config
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -44,9 +44,9 @@ def one(value, dtype):
 @pytest.fixture(scope="module")
 def runtime():
     from spork_trt.engines.torch_engine import TorchEngine
-    from spork_trt.runtime import Runtime
-    from spork_trt.tokenizer import load_tokenizer
-    from spork_trt.weights import default_gguf_path, random_checkpoint
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.weights import default_gguf_path, random_checkpoint
 
     model = random_checkpoint(tiny_config(), seed=5, scale=8.0).model
     return Runtime(model.cfg, load_tokenizer(default_gguf_path(), "gguf"), TorchEngine(model),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spork_trt.engines.onnx_engine import OnnxEngine
-from spork_trt.model import causal_mask
+from spork_trt.checkpoint.transformer import causal_mask
 from tests.conftest import mt_bench_prompts
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def test_export_bad_input_is_one_line(args, needle):
 
 def test_draft_auto_is_the_store_where_the_engines_have_one(default_engines, default_runtime):
     from spork_trt.config import SpecConfig
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines)
     assert rt.default_draft == "store" and rt.resolve(SpecConfig.for_draft("auto")).draft == "store"
@@ -93,7 +93,7 @@ def test_build_with_a_draft_head_drafts_with_it(default_engines, default_checkpo
     """An untrained head for the default target (LM head rows copied from the target's): the build adds it, its
     ONNX step and the target graph's hidden-state output, `--draft eagle` drafts with it and stays token-identical
     to plain; a head made for another checkpoint is refused."""
-    from spork_trt.draft_head import DraftHead, HeadConfig
+    from spork_trt.spec.draft_head import DraftHead, HeadConfig
 
     model = default_checkpoint.model
     head = DraftHead(HeadConfig.for_target(model.cfg, (30,), 512))

@@ -13,10 +13,10 @@ import torch
 from spork_trt.engines import chain_input
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.export.gguf_blocks import int4_from_blocks
-from spork_trt.gguf_blocks import decode
+from spork_trt.checkpoint.gguf_blocks import decode
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import quantize
-from spork_trt.weights import load_checkpoint
+from spork_trt.checkpoint.weights import load_checkpoint
 from tests.test_weights import hf_tiny, write_gguf
 
 Q = gguf.GGMLQuantizationType

@@ -1,4 +1,4 @@
-"""spork::int4_mm and spork::q8_mm (engines/int4_kernel.cpp): they compute w = d q + off of the blocks they were
+"""spork::int4_mm and spork::q8_mm (engines/cpu/avx512_matmul.cpp): they compute w = d q + off of the blocks they were
 given (against a float64 reference), and a row's output is the same bits at any row count, row position and thread
 count; the int4 engine runs them on the default checkpoint's own Q4_1 blocks and its Q8_0 LM head, and ATen's kernel
 where they are not built; a killed build's lock does not hang the next."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from spork_trt.engines import int4_kernel
+from spork_trt.engines.cpu import kernels as int4_kernel
 
 if int4_kernel.kernel() != "spork":
     pytest.skip("spork::int4_mm is not built here (no AVX512-BF16 or no compiler): ATen's kernel runs",
@@ -116,7 +116,7 @@ def test_on_a_cpu_with_amx_it_runs_amx_unless_told_not_to_and_vdpbf16ps_keeps_it
     codes, d, off = blocks(960, 576, seed=5, q4_0=False)
     packed, scales = int4_kernel.pack(codes, d, off)
     x = torch.randn(16, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    check = ("import sys, torch; from spork_trt.engines import int4_kernel; int4_kernel.kernel(); "
+    check = ("import sys, torch; from spork_trt.engines.cpu import kernels as int4_kernel; int4_kernel.kernel(); "
              "a = torch.load(sys.argv[1]); torch.save(torch.ops.spork.int4_mm(*a, True), sys.argv[1])")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "x.pt")
@@ -138,8 +138,8 @@ def test_pack_refuses_what_it_cannot_compute():
 
 
 def test_the_int4_engine_runs_it_on_the_checkpoints_blocks(default_checkpoint):
-    from spork_trt.engines.cpu_linears import Int4Linear, Q8Linear
-    from spork_trt.engines.onednn_engine import cpu_target
+    from spork_trt.engines.cpu.linears import Int4Linear, Q8Linear
+    from spork_trt.engines.cpu.engine import cpu_target
     engine = cpu_target(default_checkpoint, "int4")
     int4 = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
     assert int4 and all(m.scales.dtype == torch.float16 for m in int4)
@@ -161,12 +161,12 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
 
 FALLBACK = """
 import torch
-from spork_trt.engines import cpu_forward, int4_kernel
-from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear
-from spork_trt.engines.onednn_engine import cpu_target
+from spork_trt.engines.cpu import forward as cpu_forward, kernels as int4_kernel
+from spork_trt.engines.cpu.linears import Int4Linear, PackedLinear
+from spork_trt.engines.cpu.engine import cpu_target
 from spork_trt.engines import chain_input
-from spork_trt.weights import load_checkpoint
-from spork_trt.engines.cpu_linears import onednn_bf16_available
+from spork_trt.checkpoint.weights import load_checkpoint
+from spork_trt.engines.cpu.linears import onednn_bf16_available
 from spork_trt.errors import UserError
 assert int4_kernel.kernel() == "aten"
 if not onednn_bf16_available():  # an AVX2 CPU: its head would be a bf16 matmul, which only oneDNN runs: one error

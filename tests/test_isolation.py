@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.drafters import ModelDrafter, NgramDrafter
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.spec.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import InternalError, QueueFull
-from spork_trt.generate import generate
-from spork_trt.request import Submission
-from spork_trt.sampling import make_generator
-from spork_trt.service import Service
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.loop.request import Submission
+from spork_trt.spec.sampling import make_generator
+from spork_trt.serving.engine_service import Service
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import core_requests, tiny_config
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3], [9] * 12 + [4, 9, 9], [30, 31, 32, 33, 30, 31]]
@@ -141,9 +141,9 @@ def test_a_draft_forward_that_keeps_raising_for_one_drafter_fails_its_request_al
 
 @pytest.fixture(scope="module")
 def runtime(model):
-    from spork_trt.runtime import Runtime
-    from spork_trt.tokenizer import load_tokenizer
-    from spork_trt.weights import default_gguf_path
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.weights import default_gguf_path
 
     return Runtime(model.cfg, load_tokenizer(default_gguf_path(), "gguf"), TorchEngine(model), lambda d: None)
 
@@ -251,7 +251,7 @@ def test_when_the_loop_thread_dies_the_service_is_unhealthy_and_refuses_at_once(
 
 def test_a_client_sees_bad_input_and_a_full_server_as_they_are_anything_else_by_id_only(caplog):
     from spork_trt.errors import UserError
-    from spork_trt.service import public_error
+    from spork_trt.serving.engine_service import public_error
 
     for e in (UserError("max_tokens must be positive"), QueueFull("retry later"), InternalError("abc")):
         assert public_error(e) is e

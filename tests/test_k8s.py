@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from spork_trt.errors import UserError
-from spork_trt.k8s import ACTIVE_GAUGE, QUEUE_GAUGE, K8sConfig, memory_request, render
+from spork_trt.serving.k8s import ACTIVE_GAUGE, QUEUE_GAUGE, K8sConfig, memory_request, render
 
 K8S_VERSION = "1.32.0"  # the schemas checked against (kubectl on these machines is 1.32)
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from spork_trt.kv_cache import KVCache
-from spork_trt.model import causal_mask
-from spork_trt.weights import random_checkpoint
+from spork_trt.engines.kv_cache import KVCache
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""spork's small layer ops (engines/layer_ops.cpp): each against a float64 reference, and each row the same bits
+"""spork's small layer ops (engines/cpu/avx512_ops.cpp): each against a float64 reference, and each row the same bits
 alone and among many rows (row-invariant by construction)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spork_trt.engines import cpu_forward, int4_kernel
+from spork_trt.engines.cpu import forward as cpu_forward, kernels as int4_kernel
 
 pytestmark = pytest.mark.skipif(int4_kernel.kernel() != "spork", reason="spork's CPU kernels need AVX512-BF16")
 ops = torch.ops.spork

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from spork_trt.config import SpecConfig
-from spork_trt.drafters import NgramDrafter, trie
+from spork_trt.spec.drafters import NgramDrafter, trie
 
 
 def scanned(context: list[int], root: int, spec: SpecConfig, max_n: int, min_n: int):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from spork_trt import cli
+from spork_trt.cli import main as cli
 from spork_trt.draft_kinds import KINDS, LAYERS, PATH, QUANT
-from spork_trt.weights import default_gguf_path
+from spork_trt.checkpoint.weights import default_gguf_path
 
 PROMPT = "What is the capital of Japan?"
 
@@ -21,7 +21,7 @@ def loaded_once(monkeypatch):
     server's does); each command line still resolves its own target."""
     import functools
 
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     monkeypatch.setattr(Runtime, "from_build", functools.cache(Runtime.from_build))
 

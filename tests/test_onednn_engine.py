@@ -1,4 +1,4 @@
-"""The CPU torch engine (engines/onednn_engine.py) on the default model, in bf16 and in int4 (the checkpoint's own
+"""The CPU torch engine (engines/cpu/engine.py) on the default model, in bf16 and in int4 (the checkpoint's own
 Q4_1 blocks): a chain token's logits are the same, bit for bit, computed alone, inside a chain, inside a batch and
 beside a neighbour's prompt chunk; in bf16 without its row floor they are not (so the test can fail); the int4
 weights are the checkpoint's; plain and spork decoding through the runtime give the same tokens, alone and batched
@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.engines import SeqInput, chain_input, int4_kernel
-from spork_trt.engines.cpu_linears import Int4Linear, PackedLinear, Q8Linear
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.engines import SeqInput, chain_input
+from spork_trt.engines.cpu import kernels as int4_kernel
+from spork_trt.engines.cpu.linears import Int4Linear, PackedLinear, Q8Linear
 from spork_trt.errors import UserError
-from spork_trt.gguf_blocks import blocks_by_parameter
-from spork_trt.runtime import Runtime
-from spork_trt.weights import random_checkpoint
+from spork_trt.checkpoint.gguf_blocks import blocks_by_parameter
+from spork_trt.loop.runtime import Runtime
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import run_core, tiny_config
 from tests.test_row_invariance import logits_alone, logits_beside_a_prompt, logits_in_a_batch, logits_in_a_tree
 
-onednn = pytest.importorskip("spork_trt.engines.onednn_engine")
+onednn = pytest.importorskip("spork_trt.engines.cpu.engine")
 BF16 = onednn.onednn_bf16_available()  # oneDNN's bf16 kernels (AVX512-BF16 or AMX)
 INT4 = BF16 or int4_kernel.kernel() == "spork"  # the default model's blocks and head on spork's kernels (AVX2 too)
 if not INT4:
@@ -193,7 +194,7 @@ def test_a_batch_in_any_slot_order_gives_each_sequence_its_own_logits_in_its_ord
 @pytest.mark.parametrize("slots", [[0, 1], [2, 0]])  # consecutive slots: a view of the pool; others: gathered
 @pytest.mark.parametrize("real", [list(range(10)), [0, 1, 2, 3, 4, 5, 6, 7, 8]])  # all rows; the last one padding
 def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logits, dtype, slots, real):
-    """engines/cpu_forward.py claims the reference model's arithmetic in fewer ops, its layers run by TorchScript
+    """engines/cpu/forward.py claims the reference model's arithmetic in fewer ops, its layers run by TorchScript
     on the real rows only (packed): the same logits and tapped hidden states at those rows, bit for bit, as
     model.Transformer.forward over the same packed modules, pool and window, which computes every row. On spork's
     CPU kernels (fused_layers, where built: other arithmetic, fp32 inside each op and a fp32 residual stream), the
@@ -201,8 +202,8 @@ def test_the_engines_lean_forward_computes_the_models_values(engines, fp32_logit
     fused_layers' bits: logits, tapped hidden states and the K/V rows written."""
     import dataclasses
 
-    from spork_trt.engines import cpu_forward
-    from spork_trt.engines.onednn_engine import WindowKV
+    from spork_trt.engines.cpu import forward as cpu_forward
+    from spork_trt.engines.cpu.engine import WindowKV
 
     assert isinstance(cpu_forward.scripted(False), torch.jit.ScriptFunction)  # not the Python fallback
     assert isinstance(cpu_forward.scripted(True), torch.jit.ScriptFunction)
@@ -255,7 +256,7 @@ def test_p_at_v_over_a_long_window_is_the_same_whatever_columns_follow():
     (on an AVX512-BF16 EPYC; not on a 2-core AMX Xeon, where the test says so): masked (zero) columns added past
     1024 change a row's P @ V. cpu_forward.attend sums in chunks of 1024: the same
     bits with or without the extra columns, and a window of at most 1024 columns is the plain bmm."""
-    from spork_trt.engines.cpu_forward import PV_CHUNK, attend
+    from spork_trt.engines.cpu.forward import PV_CHUNK, attend
 
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(1000, 3, 1001, generator=g) * 3, -1).to(torch.bfloat16)  # [N, M, 1001]

@@ -8,14 +8,14 @@ import torch
 
 from spork_trt import io_spec
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.drafters import ModelDrafter
+from spork_trt.spec.drafters import ModelDrafter
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.export.onnx_graph import attention_of, export_onnx
 from spork_trt.export.quantize import quantize_nbits
-from spork_trt.generate import generate
-from spork_trt.model import causal_mask
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 
@@ -61,7 +61,7 @@ def test_the_manifest_backend_chooses_the_engine_not_the_file_name(tiny, tmp_pat
 
     from spork_trt.engines import load_engine
     from spork_trt.errors import UserError
-    from spork_trt.manifest import engine_backend
+    from spork_trt.checkpoint.manifest import engine_backend
 
     model, target = tiny[:2]
     for p in target.parent.glob(target.name + "*"):  # the graph and its external data, which it names
@@ -99,7 +99,7 @@ def test_a_graph_exported_by_an_older_version_is_refused(tiny):
 @pytest.mark.parametrize("attention", io_spec.ATTENTIONS)
 def test_lean_graph_has_no_shape_arithmetic_and_fused_projections(tiny, plain, attention):
     from spork_trt.export.lean import rotate_half_matrix
-    from spork_trt.model import rotate_half
+    from spork_trt.checkpoint.transformer import rotate_half
 
     model = tiny[0]
     target = tiny[1] if attention == io_spec.GQA else plain[0]
@@ -124,7 +124,7 @@ def test_gqa_torch_semantics_equal_the_op(tiny):
     from onnx import TensorProto, helper
 
     from spork_trt.export.lean import GQA_SLOTS, GroupQueryAttention
-    from spork_trt.model import mask_bias
+    from spork_trt.checkpoint.transformer import mask_bias
 
     h, hkv, d, m = 4, 2, 8, 12
     ctx, n = [5, 0, 7], [3, 2, 1]

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from spork_trt.openai_api.stops import StopFilter, tokens_through_stop
-from spork_trt.serve import free_port
+from spork_trt.serving.openai_api.stops import StopFilter, tokens_through_stop
+from spork_trt.serving.triton_server import free_port
 from tests.conftest import mt_bench_prompts
 
 slow = pytest.mark.slow
@@ -88,7 +88,7 @@ def reference(default_engines):
     """Plain greedy decoding on the same engines, in this process: (text, token ids) of prompt ids."""
     from spork_trt.config import GenerateConfig
     from spork_trt.config import AUTO_DTYPE
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
 
@@ -311,7 +311,7 @@ def test_a_full_queue_is_a_503_with_retry_after_and_the_others_are_answered(defa
     `Retry-After`, an error object); the answered ones are plain greedy's text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=1, max_queue=1))
     proc, base, model = start_serve(["--repo", str(repo), "--log", str(tmp_path / "triton.log")], tmp_path)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig
-from spork_trt.core import CoreConfig, EngineCore
-from spork_trt.prefix_cache import BLOCK, PrefixCache
-from spork_trt.request import Submission
+from spork_trt.loop.engine_core import CoreConfig, EngineCore
+from spork_trt.loop.prefix_cache import BLOCK, PrefixCache
+from spork_trt.loop.request import Submission
 from tests.conftest import core_requests, run_core
 from tests.test_core import drafter, engine, tiny  # noqa: F401 - the module's tiny models fixture
 
@@ -64,7 +64,7 @@ def test_a_hit_is_checked_token_by_token_and_keeps_the_last_prompt_token():
     cache.kept, cache.used = {0: tuple(range(40)), 1: tuple(range(20)) + (99,) * 20}, {0: 0, 1: 1}
     cache.blocks = {}
     for s, toks in cache.kept.items():
-        from spork_trt.prefix_cache import chain_hashes
+        from spork_trt.loop.prefix_cache import chain_hashes
         for h in chain_hashes(toks):
             cache.blocks.setdefault(h, set()).add(s)
     assert cache.match(list(range(40))) == (0, 39)  # all but the last prompt token

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spork_trt import manifest as mf
+from spork_trt.checkpoint import manifest as mf
 from spork_trt.errors import UserError
 from spork_trt.export.artifacts import load_corpus, shipped
 from spork_trt.prompts import load_prompts

@@ -12,15 +12,15 @@ import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
 from spork_trt.draft_kinds import QUANTS
-from spork_trt.drafters import ModelDrafter
+from spork_trt.spec.drafters import ModelDrafter
 from spork_trt.engines import forward_chain
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.export.calib_data import prefill_feed
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import int8_matmuls, quantize, weight_matmuls
-from spork_trt.generate import generate
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 CFG = tiny_config(vocab_size=64, n_layers=3, dim=64)

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from spork_trt.repetition import MAX_MATCH, REPETITION, repetition, suffix_match
-from spork_trt.tree import DraftTree
+from spork_trt.spec.repetition import MAX_MATCH, REPETITION, repetition, suffix_match
+from spork_trt.spec.tree import DraftTree
 
 COL = {name: i for i, name in enumerate(REPETITION)}
 

@@ -18,10 +18,10 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from spork_trt.client import ClientConfig, Collector, failure, query
+from spork_trt.serving.triton_client import ClientConfig, Collector, failure, query
 from spork_trt.errors import Unanswered, UserError
-from spork_trt.replicas import BalancerConfig, ReplicaSet, find_haproxy, haproxy_config
-from spork_trt.serve import ServerConfig, free_port
+from spork_trt.serving.replicas import BalancerConfig, ReplicaSet, find_haproxy, haproxy_config
+from spork_trt.serving.triton_server import ServerConfig, free_port
 from tests.conftest import mt_bench_prompts
 from tests.test_serve_lifecycle import group_members, launch_all, wait_group_gone
 

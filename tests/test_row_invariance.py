@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spork_trt.engines import chain_input, int4_kernel
+from spork_trt.engines import chain_input
+from spork_trt.engines.cpu import kernels as int4_kernel
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.export.onnx_graph import export_onnx
 from spork_trt.export.quantize import quantize
-from spork_trt.weights import random_checkpoint
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 CFG = tiny_config(vocab_size=64, n_layers=3, dim=64)
@@ -99,9 +100,9 @@ def test_a_quantized_target_verifying_chains_is_lossless_alone_and_batched(graph
     """spork == plain greedy, token for token, on the int8 target: chains drafted by the fp32 graph (a close draft:
     long accepted runs), one request alone and four batched together."""
     from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-    from spork_trt.request import Submission
-    from spork_trt.drafters import ModelDrafter
-    from spork_trt.generate import generate, run_many
+    from spork_trt.loop.request import Submission
+    from spork_trt.spec.drafters import ModelDrafter
+    from spork_trt.loop.generate import generate, run_many
 
     target = OnnxEngine(graphs["int8"], CFG, min_rows=2)
     cfg, chain = GenerateConfig(max_new_tokens=40), SpecConfig(draft="self-fp32", tree_width=1, tree_depth=4,

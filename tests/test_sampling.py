@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from spork_trt.config import SamplingConfig
-from spork_trt.sampling import make_generator, pick, processed_probs
-from spork_trt.stopping import StopState
+from spork_trt.spec.sampling import make_generator, pick, processed_probs
+from spork_trt.loop.stopping import StopState
 
 
 def test_greedy_is_one_hot_argmax():
@@ -68,7 +68,7 @@ def test_a_stream_holds_back_only_the_tokens_that_could_begin_a_stop_string():
 
 
 def test_cut_and_partial_stop():
-    from spork_trt.stopping import cut, partial_stop
+    from spork_trt.loop.stopping import cut, partial_stop
 
     assert cut("a cat sat", ("sat", "cat")) == "a " and cut("dog", ("cat",)) == "dog" and cut("x", ()) == "x"
     assert partial_stop("the ca", ("cat",)) == 2 and partial_stop("the c", ("cat", "the c!")) == 5

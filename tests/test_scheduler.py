@@ -4,9 +4,9 @@ slow speculation falls back."""
 from __future__ import annotations
 
 from spork_trt.config import SpecConfig
-from spork_trt.scheduler import Scheduler, features
-from spork_trt.tree import DraftTree, graft
-from spork_trt.verify import Verdict
+from spork_trt.spec.scheduler import Scheduler, features
+from spork_trt.spec.tree import DraftTree, graft
+from spork_trt.spec.verification import Verdict
 
 TREE = DraftTree((0, 10, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 1, 3, 5))  # two forks at the root and under node 1
 
@@ -155,8 +155,8 @@ def test_nodes_the_allotment_dropped_still_teach_the_odds():
 def test_allot_shares_one_forward_by_goodput():
     """Across requests the most likely nodes win; with a flat cost every node is taken, with a steep one none, and
     one request alone gets what `prune` keeps for it."""
-    from spork_trt.cost_model import CostModel
-    from spork_trt.scheduler import Candidates, allot
+    from spork_trt.spec.cost_model import CostModel
+    from spork_trt.spec.scheduler import Candidates, allot
 
     a = Candidates((1, 2, 3), (0.9, 0.8, 0.1))
     b = Candidates((4, 5), (0.7, 0.05))
@@ -182,7 +182,7 @@ def test_allot_shares_one_forward_by_goodput():
 
 
 def test_cost_model_interpolates_and_never_makes_more_tokens_cheaper():
-    from spork_trt.cost_model import CostModel
+    from spork_trt.spec.cost_model import CostModel
 
     c = CostModel()
     assert c.seconds(1) == 1.0 and c.seconds(11) > c.seconds(10)  # the prior, in units of one token

@@ -26,7 +26,7 @@ def lines(path) -> list[dict]:
 
 
 def test_self_data_is_the_targets_own_text_deterministic_and_resumable(default_engines, tmp_path):
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     a, b = self_data(tmp_path / "a", default_engines, 3), self_data(tmp_path / "b", default_engines, 3)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
@@ -55,8 +55,8 @@ def test_self_data_is_the_targets_own_text_deterministic_and_resumable(default_e
 def test_self_data_from_a_checkpoint_on_torch_is_the_same_greedy_text(default_engines, tmp_path):
     """`--model` (the path `--device cuda` takes, on the torch engine here): the answers are the target's greedy
     text, as the ONNX build writes it, and the recipe names the checkpoint's sha256 and the device."""
-    from spork_trt import manifest as mf
-    from spork_trt.runtime import Runtime
+    from spork_trt.checkpoint import manifest as mf
+    from spork_trt.loop.runtime import Runtime
 
     m = mf.read(default_engines)
     run = subprocess.run([sys.executable, "-m", "export", "self-data", "--model", m["source"]["path"], "--out",

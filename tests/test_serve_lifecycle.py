@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from spork_trt.client import ClientConfig, query
+from spork_trt.serving.triton_client import ClientConfig, query
 from spork_trt.errors import UserError
-from spork_trt.serve import ServerConfig, TritonServer, free_port, keep_previous, refuse_ports_in_use
+from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port, keep_previous, refuse_ports_in_use
 from tests.conftest import mt_bench_prompts
 
 
@@ -53,7 +53,7 @@ def launch_all(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.P
     or haproxy's) and its public ports (HTTP, gRPC, metrics). The repository has one instance of each model and the
     build's ONNX target (fewer stubs, quicker loads, no spinning OpenMP threads beside a second replica: these tests
     are about the processes)."""
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(engines, tmp_path / "repo", slots=2, unary_instances=1, device=""))
     ports = [str(free_port()) for _ in range(3)]

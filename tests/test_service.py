@@ -12,10 +12,10 @@ import pytest
 from spork_trt import io_spec
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
-from spork_trt.serve_request import Limits, parse_request
-from spork_trt.service import DETOKENIZE_CONTEXT, Chunk, Service
-from spork_trt.triton_steps import decode_chunk, encode_text, text_limit
-from spork_trt.tokenizer import text_delta
+from spork_trt.serving.request_tensors import Limits, parse_request
+from spork_trt.serving.engine_service import DETOKENIZE_CONTEXT, Chunk, Service
+from spork_trt.serving.triton_steps import decode_chunk, encode_text, text_limit
+from spork_trt.checkpoint.tokenizer import text_delta
 
 CONTEXT = 64
 LIMITS = Limits(CONTEXT, vocab_size=96)
@@ -97,7 +97,7 @@ class Pieces:
 
 
 def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts():
-    from spork_trt.tokenizer import Tokenizer
+    from spork_trt.checkpoint.tokenizer import Tokenizer
 
     tok = Tokenizer(Pieces(["The", " cat", " sat", ".", " END", " more"]), frozenset())
     ids = np.array([[0, 1, 2, 3, 4, 5]], np.int32)
@@ -110,7 +110,7 @@ def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts()
 
 
 def test_a_chunk_carries_the_counts_and_the_final_one_the_stop_strings():
-    from spork_trt.stats import Stats
+    from spork_trt.loop.stats import Stats
 
     c = Chunk([1, 2, 3, 4, 5], 2, True, Stats(), "stop_string", prompt_len=9, cut_at=("a", "bc"))
     t = c.tensors()
@@ -245,7 +245,7 @@ def texts(tok, chunks: list[Chunk]) -> list[str]:
 def test_stop_words_end_the_request_in_the_core_and_the_text_where_they_start(service, default_runtime,
                                                                               default_tokenizer):
     from spork_trt.config import GenerateConfig
-    from spork_trt.openai_api.stops import tokens_through_stop
+    from spork_trt.serving.openai_api.stops import tokens_through_stop
 
     prompt = default_tokenizer.encode_prompt("Name three planets.")
     plain = default_runtime.generate(prompt, GenerateConfig(max_new_tokens=32), mode="plain")
@@ -311,7 +311,7 @@ def test_a_service_on_the_device_engine_drafts_from_the_build_losslessly(default
     build's datastore drafts for it, its answer is the reference engine's plain greedy one, and what it cannot run
     (drafts on the target's cache) is refused at load."""
     from spork_trt.config import GenerateConfig
-    from spork_trt.core import CoreConfig
+    from spork_trt.loop.engine_core import CoreConfig
 
     svc = Service.load(default_engines, core=CoreConfig(slots=2), device="cpu", dtype="fp32")
     try:
@@ -328,7 +328,7 @@ def test_a_service_on_the_device_engine_drafts_from_the_build_losslessly(default
 
 
 def test_the_device_engine_needs_the_builds_own_checkpoint(tmp_path):
-    from spork_trt.runtime import source_checkpoint
+    from spork_trt.loop.runtime import source_checkpoint
 
     with pytest.raises(UserError, match="which is not here"):
         source_checkpoint({"source": {"path": str(tmp_path / "gone.gguf"), "sha256": "0" * 64}})

@@ -36,7 +36,7 @@ def plain(default_runtime, torch_ids):
 
 @pytest.fixture(scope="module")
 def onnx_runtime(default_engines):
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines)  # dtype fp32: the build's ONNX target, whatever this host's default
     assert rt.backend == "onnx", rt.backend

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.datastore import Datastore
-from spork_trt.drafters import HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
+from spork_trt.spec.datastore import Datastore
+from spork_trt.spec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, StoreDrafter
 from spork_trt.engines.torch_engine import TorchEngine
-from spork_trt.generate import generate
-from spork_trt.quant import int4_copy, int8_copy
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.quant_copies import int4_copy, int8_copy
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 GREEDY = SamplingConfig()

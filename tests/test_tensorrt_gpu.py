@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.drafters import ModelDrafter
+from spork_trt.spec.drafters import ModelDrafter
 from spork_trt.engines.onnx_engine import OnnxEngine
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt import io_spec
 from spork_trt.export.onnx_graph import export_onnx
-from spork_trt.generate import generate
-from spork_trt.model import causal_mask
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None or not torch.cuda.is_available(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from spork_trt.errors import UserError
-from spork_trt.tokenizer import StreamDecoder
+from spork_trt.checkpoint.tokenizer import StreamDecoder
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from spork_trt.draft_head import load_head
+from spork_trt.spec.draft_head import load_head
 from spork_trt.errors import UserError
 from spork_trt.learn.train_draft import TrainConfig, train_draft
 from spork_trt.learn.unroll import step_mask
-from spork_trt.weights import random_checkpoint
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config, write_selfdata
 
 
@@ -101,7 +101,7 @@ def test_a_packed_corpus_gives_the_sequences_and_answer_starts_of_its_self_data(
 
     import numpy as np
 
-    from spork_trt.datastore import join
+    from spork_trt.spec.datastore import join
     from spork_trt.export import artifacts
 
     g = np.random.default_rng(0)
@@ -123,7 +123,7 @@ def test_a_packed_corpus_gives_the_sequences_and_answer_starts_of_its_self_data(
 def test_the_head_normalises_its_features_as_the_target_normalises_its_last_hidden_state(target):
     """A last-layer tap enters fc as the target's post-norm hidden state (EAGLE-1's features): its raw residual
     stream has outlier channels that drown the token's embedding. --no-feature-norm keeps the older head."""
-    from spork_trt.draft_head import DraftHead, HeadConfig
+    from spork_trt.spec.draft_head import DraftHead, HeadConfig
 
     last = (target.cfg.n_layers,)
     head = DraftHead(HeadConfig.for_target(target.cfg, last, 40))
@@ -142,7 +142,7 @@ def test_soft_labels_are_the_targets_own_next_token_distribution(target, data, t
 
     from spork_trt.learn.head_data import extract
     from spork_trt.learn.unroll import Teacher
-    from spork_trt.model import causal_mask
+    from spork_trt.checkpoint.transformer import causal_mask
 
     seq = [3, 9, 14, 2, 30, 7]
     f = extract(target, [seq], (1, target.cfg.n_layers), tmp_path / "feats")

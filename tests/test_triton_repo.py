@@ -7,8 +7,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from spork_trt import io_spec
 from spork_trt.errors import UserError
-from spork_trt.triton_steps import model_parameters
-from spork_trt.triton_repo import RepoConfig, render
+from spork_trt.serving.triton_steps import model_parameters
+from spork_trt.serving.triton_repo import RepoConfig, render
 
 pytestmark = pytest.mark.slow  # needs a default build
 
@@ -84,7 +84,7 @@ def test_render_refuses_what_is_not_a_build(tmp_path):
 
 
 def test_each_gpu_instance_runs_on_its_own_gpu():
-    from spork_trt.triton_steps import instance_device
+    from spork_trt.serving.triton_steps import instance_device
 
     assert instance_device("cuda", {"model_instance_kind": "GPU", "model_instance_device_id": "1"}) == "cuda:1"
     assert instance_device("cpu", {"model_instance_kind": "CPU"}) == "cpu"
@@ -99,7 +99,7 @@ def test_render_refuses_bad_sizes(default_engines, tmp_path):
 
 
 def test_a_repository_rendered_by_another_version_is_rendered_again(default_engines, tmp_path):
-    from spork_trt.triton_repo import adapters_current, ensure_rendered
+    from spork_trt.serving.triton_repo import adapters_current, ensure_rendered
 
     cfg = RepoConfig(default_engines, tmp_path / "repo")
     repo = render(cfg)
@@ -112,7 +112,7 @@ def test_a_repository_rendered_by_another_version_is_rendered_again(default_engi
 def test_the_startup_line_names_the_target_the_repository_serves(default_engines, tmp_path):
     """`serve` prints what it serves: the build's target, or its checkpoint on a torch engine (export triton
     --device cpu --dtype bf16 or int4: the CPU torch engine)."""
-    from spork_trt.serving_cli import served_target
+    from spork_trt.cli.serving import served_target
 
     onnx = render(RepoConfig(default_engines, tmp_path / "onnx", device=""))  # export triton --device onnx
     bf16 = render(RepoConfig(default_engines, tmp_path / "bf16", device="cpu", dtype="bf16"))
@@ -140,8 +140,8 @@ def test_the_default_repository_serves_the_build_s_default_target(default_engine
     """With no --device or --dtype the repository runs the build's default target on this host
     (engines/default_target.py): int4 on the CPU torch engine where the CPU has oneDNN's bf16 kernels or spork's
     (AVX2 too), else the build's ONNX target; the gpu profiles keep their device."""
-    from spork_trt import manifest as mf
-    from spork_trt.engines import int4_kernel, onednn_engine
+    from spork_trt.checkpoint import manifest as mf
+    from spork_trt.engines.cpu import kernels as int4_kernel, engine as onednn_engine
     from spork_trt.engines.default_target import default_target
 
     from .test_default_target import int4_here

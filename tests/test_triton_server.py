@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from bench.soak import raw_infer
-from spork_trt.client import ClientConfig, query
+from spork_trt.serving.triton_client import ClientConfig, query
 from spork_trt.errors import UserError
-from spork_trt.serve import ServerConfig, TritonServer, free_port
+from spork_trt.serving.triton_server import ServerConfig, TritonServer, free_port
 from tests.conftest import humaneval_prompts, mt_bench_prompts
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def local(default_engines):
     """Plain greedy decoding on the same engines, in this process: the reference every served text must equal."""
     from spork_trt.config import GenerateConfig
     from spork_trt.config import AUTO_DTYPE
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
     cache: dict[tuple[str, int], object] = {}
@@ -198,7 +198,7 @@ def test_stop_words_end_the_request_and_tensorrt_llm_style_requests_are_served(s
     python/openai/openai_frontend/engine/utils/triton.py) is answered, its counts add up; what it cannot honour is
     refused naming the field; its text_input, a conversation it rendered with the chat template, is not templated
     again."""
-    from spork_trt.openai_api.stops import tokens_through_stop
+    from spork_trt.serving.openai_api.stops import tokens_through_stop
 
     prompt = mt_bench_prompts(1)[0]
     want = local.result(prompt)
@@ -275,7 +275,7 @@ def test_32_concurrent_mixed_requests_are_lossless_under_batching(server, defaul
 
     from spork_trt.config import GenerateConfig
     from spork_trt.config import AUTO_DTYPE
-    from spork_trt.runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
     prompts = mt_bench_prompts(16) + humaneval_prompts(16)
@@ -536,9 +536,9 @@ def test_a_repository_on_the_device_engine_serves_the_same_text(default_engines,
     engine). A real tritonserver answers over gRPC streaming and HTTP with that target's own plain greedy text,
     speculating (spork, the build's datastore)."""
     from spork_trt.config import GenerateConfig
-    from spork_trt.engines.onednn_engine import onednn_bf16_available
-    from spork_trt.runtime import Runtime
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.engines.cpu.engine import onednn_bf16_available
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     if dtype == "bf16" and not onednn_bf16_available():
         pytest.skip("this CPU has no oneDNN bf16 kernels (AVX512-BF16 or AMX)")
@@ -615,7 +615,7 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
             kids = [c for c in psutil.Process(p.pid).children(recursive=True) if "tritonserver" in c.name()]
             server = kids[0].pid if kids else None
             time.sleep(0.1)
-        group = os.getpgid(server)  # the guard's (server_guard.py)
+        group = os.getpgid(server)  # the guard's (triton_guard.py)
         while "python" not in " ".join(c.name() for c in psutil.Process(server).children()):
             assert time.monotonic() < deadline, "no python backend stub started"
             time.sleep(0.1)  # a stub is loading a model: the moment the stubs used to be left behind
@@ -644,7 +644,7 @@ def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_conc
     and the requests one instance takes together are answered concurrently with plain greedy's text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(default_engines, tmp_path / "repo", slots=16, max_queue=1, unary_instances=1))
     prompts = mt_bench_prompts(12)
@@ -671,9 +671,9 @@ def test_the_unary_queue_is_bounded_and_a_batch_of_unary_requests_is_served_conc
 
 def test_cancels_reach_either_spork_instance_and_the_server_stops_cleanly(default_engines, tmp_path, local):
     """Two `spork` instances (each its own engine core): a cancelled `spork_unary` request leaves whichever core runs
-    it, wherever Triton sends the cancel (the cancel board, spork_trt/cancel_board.py); the request beside it gets
+    it, wherever Triton sends the cancel (the cancel board, spork_trt/serving/cancel_board.py); the request beside it gets
     plain greedy's tokens; and the server then stops cleanly (every model unloaded)."""
-    from spork_trt.triton_repo import RepoConfig, render
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     repo = render(RepoConfig(default_engines, tmp_path / "repo", instances=2, slots=4))
     s = TritonServer(ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),

@@ -64,8 +64,8 @@ def unary(monkeypatch):
     fake.InferenceResponse = lambda error=None, **kw: Response(error=error)
     fake.Logger = types.SimpleNamespace(log_warn=warnings.append, log_error=warnings.append)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    monkeypatch.delitem(sys.modules, "spork_trt.triton_unary", raising=False)
-    import spork_trt.triton_unary as unary
+    monkeypatch.delitem(sys.modules, "spork_trt.serving.triton_unary", raising=False)
+    import spork_trt.serving.triton_unary as unary
 
     unary.streams, unary.calls, unary.warnings = streams, calls, warnings
     return unary

@@ -8,18 +8,27 @@ import pytest
 import torch
 
 from spork_trt.config import GenerateConfig, SamplingConfig, SpecConfig
-from spork_trt.drafters import ModelDrafter, NgramDrafter
+from spork_trt.spec.drafters import ModelDrafter, NgramDrafter
 from spork_trt.engines import prefill
 from spork_trt.engines.torch_engine import TorchEngine
 from spork_trt.errors import UserError
 from spork_trt.learn.calibrate import auroc, ece, ece_floor
-from spork_trt.generate import generate
-from spork_trt.quant import int8_copy
-from spork_trt.scheduler import Scheduler
-from spork_trt.verifier_switch import FIRST_PROBE, PROBE_EVERY
-from spork_trt.tree import DraftTree, compile_tree
-from spork_trt.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, gate_path, head_file, load_heads, survival
-from spork_trt.weights import random_checkpoint
+from spork_trt.loop.generate import generate
+from spork_trt.checkpoint.quant_copies import int8_copy
+from spork_trt.spec.scheduler import Scheduler
+from spork_trt.spec.verifier_policy import FIRST_PROBE, PROBE_EVERY
+from spork_trt.spec.tree import DraftTree, compile_tree
+from spork_trt.spec.verifier import (
+    FEATURES,
+    ConfidenceHead,
+    Verifier,
+    fit_head,
+    gate_path,
+    head_file,
+    load_heads,
+    survival,
+)
+from spork_trt.checkpoint.weights import random_checkpoint
 from tests.conftest import tiny_config
 
 GREEDY = SamplingConfig()
@@ -219,9 +228,9 @@ def test_batched_scoring_equals_scoring_alone_and_stays_lossless(target):
     """score_batch scores several requests' trees (each after its own committed rows, with its own head) in one
     verifier forward, with the features each gets alone, leaving every cache as it was; the engine core scores a
     step's trees that way (one shared verifier engine) and every request stays token-identical to plain."""
-    from spork_trt.core import CoreConfig, EngineCore
-    from spork_trt.request import Submission
-    from spork_trt.verifier import ScoreJob, score_batch
+    from spork_trt.loop.engine_core import CoreConfig, EngineCore
+    from spork_trt.loop.request import Submission
+    from spork_trt.spec.verifier import ScoreJob, score_batch
     from tests.conftest import run_core
 
     shared = TorchEngine(target, exit_layer=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spork_trt.tree import PRESETS, DraftTree, chain_parents, choices_to_parents, compile_tree
-from spork_trt.verify import verify_greedy, verify_sampling
+from spork_trt.spec.tree import PRESETS, DraftTree, chain_parents, choices_to_parents, compile_tree
+from spork_trt.spec.verification import verify_greedy, verify_sampling
 
 V = 6
 

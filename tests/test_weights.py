@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spork_trt.errors import UserError
-from spork_trt.model import causal_mask
-from spork_trt.weights import HEAD, LAYER_LAYOUT, LAYOUT, load_checkpoint, permute_rope, unpermute_rope
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.weights import HEAD, LAYER_LAYOUT, LAYOUT, load_checkpoint, permute_rope, unpermute_rope
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

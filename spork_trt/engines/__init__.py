@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from ..kv_cache import KVPool, Rows
-from ..manifest import engine_backend
+from spork_trt.errors import UserError
+from spork_trt.engines.kv_cache import KVPool, Rows
+from spork_trt.checkpoint.manifest import engine_backend
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class Engine(ABC):
 def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> Engine:
     """An ONNX graph on ONNX Runtime with `providers`. A quantized `target` runs no forward of one row and verifies
     chains only (row_invariance.py)."""
-    from .onnx_engine import OnnxEngine
+    from spork_trt.engines.onnx_engine import OnnxEngine
 
     exact = not target or entry["precision"] == "fp32"
     engine = OnnxEngine(path, cfg, n_layers=entry["layers"], providers=providers, taps=tuple(entry.get("taps", ())),
@@ -198,7 +198,7 @@ def onnx_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool
 
 def tensorrt_loader(path, entry: dict, cfg, providers: tuple[str, ...], target: bool = False) -> Engine:
     """A TensorRT plan (`providers`, ONNX Runtime's, do not apply)."""
-    from .trt_engine import TrtEngine
+    from spork_trt.engines.trt_engine import TrtEngine
 
     return TrtEngine(path, cfg, n_layers=entry["layers"])
 

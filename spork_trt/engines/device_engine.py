@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DEVICE_DTYPE, DEVICE_DTYPES, ModelConfig
-from ..errors import UserError
-from ..kv_cache import KVCache, KVPool
-from ..model import Transformer
-from . import Engine, SeqInput
+from spork_trt.config import DEVICE_DTYPE, DEVICE_DTYPES, ModelConfig
+from spork_trt.errors import UserError
+from spork_trt.engines.kv_cache import KVCache, KVPool
+from spork_trt.checkpoint.transformer import Transformer
+from spork_trt.engines import Engine, SeqInput
 
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # new tokens per sequence, padded up to one of these
 # with CUDA graphs, a forward may pad up to this many buckets past its own when a larger one replays faster: on an

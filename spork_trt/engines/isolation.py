@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from . import SeqInput
+from spork_trt.engines import SeqInput
 
 log = logging.getLogger("spork_trt.engines")
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import io_spec
-from ..config import ModelConfig
-from ..errors import UserError
-from ..kv_cache import KVPool, Rows
-from . import Engine, Padded, SeqInput
-from .row_invariance import forward_padded, pad_to_rows
-from .staging import Staging
+from spork_trt import io_spec
+from spork_trt.config import ModelConfig
+from spork_trt.errors import UserError
+from spork_trt.engines.kv_cache import KVPool, Rows
+from spork_trt.engines import Engine, Padded, SeqInput
+from spork_trt.engines.row_invariance import forward_padded, pad_to_rows
+from spork_trt.engines.staging import Staging
 
 
 def session_options(threads: int | None = None):

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import io_spec
-from ..config import ModelConfig
-from ..kv_cache import Rows
-from .onnx_engine import bind, bind_rows, session_options
+from spork_trt import io_spec
+from spork_trt.config import ModelConfig
+from spork_trt.engines.kv_cache import Rows
+from spork_trt.engines.onnx_engine import bind, bind_rows, session_options
 
 
 class OnnxHead:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import SeqInput
+from spork_trt.engines import SeqInput
 
 
 def with_dummy_row(s: SeqInput) -> SeqInput:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv_cache import Rows
+from spork_trt.engines.kv_cache import Rows
 
 ROW_BLOCK = 16
 

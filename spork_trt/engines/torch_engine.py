@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..kv_cache import KVCache, KVPool
-from ..model import Transformer
-from . import Engine, Padded, SeqInput
+from spork_trt.config import ModelConfig
+from spork_trt.engines.kv_cache import KVCache, KVPool
+from spork_trt.checkpoint.transformer import Transformer
+from spork_trt.engines import Engine, Padded, SeqInput
 
 
 class TorchEngine(Engine):

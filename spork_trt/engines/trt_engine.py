@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from .. import io_spec
-from ..config import ModelConfig
-from ..errors import UserError
-from ..kv_cache import KVPool, Rows
-from . import Engine, SeqInput
+from spork_trt import io_spec
+from spork_trt.config import ModelConfig
+from spork_trt.errors import UserError
+from spork_trt.engines.kv_cache import KVPool, Rows
+from spork_trt.engines import Engine, SeqInput
 
 MIN_MAJOR = 10  # name-based tensor API, INT64 I/O, no implicit batch
 REBUILD = "python -m export build --backend tensorrt --force"

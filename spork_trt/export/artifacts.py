@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
-from .. import manifest as mf
-from ..datastore import SEP, Datastore, join
-from ..errors import UserError
+from spork_trt import atomic
+from spork_trt.checkpoint import manifest as mf
+from spork_trt.spec.datastore import SEP, Datastore, join
+from spork_trt.errors import UserError
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 CORPUS, MANIFEST = "corpus.npz", "manifest.json"
@@ -135,7 +135,7 @@ def training_rows(data: Path, header: list[int]) -> tuple[list[dict], dict]:
 def head_source(head: str, source_sha256: str) -> tuple[Path | None, str]:
     """Where a build's draft head comes from: `head` "auto" (the head shipped for this checkpoint, if any), "none",
     a train-draft folder (head.safetensors) or the file itself. Returns (file or None, what it is)."""
-    from ..draft_head import HEAD_FILE
+    from spork_trt.spec.draft_head import HEAD_FILE
 
     if head == "none":
         return None, "none"

@@ -22,19 +22,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic, io_spec
-from .. import manifest as mf
-from ..config import VERIFIER_LAYERS
-from ..datastore import SUFFIXES, TOKENS
-from ..draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
-from ..draft_kinds import EAGLE, EARLY_EXIT, NGRAM, QUANTS, SELF, SELF_DRAFTS, STORE, DraftSpec, is_kind, parse_draft
-from ..errors import UserError
-from ..weights import default_gguf_path, load_checkpoint
-from . import tensorrt as trt_build
-from .artifacts import build_store, head_source, store_source, text_file
-from .gguf_blocks import BLOCKS_LAYOUT, int4_from_blocks
-from .onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx
-from .quantize import quantize
+from spork_trt import atomic, io_spec
+from spork_trt.checkpoint import manifest as mf
+from spork_trt.config import VERIFIER_LAYERS
+from spork_trt.spec.datastore import SUFFIXES, TOKENS
+from spork_trt.spec.draft_head import EMBEDDINGS, HEAD_FILE, HEAD_GRAPH, load_head
+from spork_trt.draft_kinds import EAGLE, EARLY_EXIT, NGRAM, QUANTS, SELF, SELF_DRAFTS, STORE, DraftSpec, is_kind, parse_draft
+from spork_trt.errors import UserError
+from spork_trt.checkpoint.weights import default_gguf_path, load_checkpoint
+from spork_trt.export import tensorrt as trt_build
+from spork_trt.export.artifacts import build_store, head_source, store_source, text_file
+from spork_trt.export.gguf_blocks import BLOCKS_LAYOUT, int4_from_blocks
+from spork_trt.export.onnx_graph import GRAPH_LAYOUT, OPSET, export_head_onnx, export_onnx
+from spork_trt.export.quantize import quantize
 
 PRECISIONS = ("fp32", *QUANTS)  # ONNX Runtime targets
 CALIBRATED = {"int8-static", "fp8"}  # quantized from activation ranges measured on calibration prompts
@@ -81,7 +81,7 @@ def check(cfg: BuildConfig) -> trt_build.TrtBuildConfig | None:
 
 def calibration_signature() -> str:
     """sha256 of what static quantization calibrates on (the prompts, how many, the window): a change rebuilds."""
-    from .calib_data import CALIB_PROMPTS, CALIB_WINDOW, calibration_prompts
+    from spork_trt.export.calib_data import CALIB_PROMPTS, CALIB_WINDOW, calibration_prompts
 
     return hashlib.sha256(json.dumps([CALIB_PROMPTS, CALIB_WINDOW, calibration_prompts()]).encode()).hexdigest()
 
@@ -122,8 +122,8 @@ def build(cfg: BuildConfig) -> Path:
         n_layers = ck.cfg.n_layers
         if not 1 <= cfg.verifier_layers < n_layers:
             raise UserError(f"--verifier-layers must be in 1..{n_layers - 1}, got {cfg.verifier_layers}")
-        from ..tokenizer import load_tokenizer
-        from .calib_data import calibration_feeds
+        from spork_trt.checkpoint.tokenizer import load_tokenizer
+        from spork_trt.export.calib_data import calibration_feeds
 
         tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
         attention = cfg.graph_attention
@@ -311,8 +311,8 @@ def trt_tools() -> dict:
 
 
 def render_triton(out: Path) -> None:
-    from ..engines.default_target import default_target
-    from ..triton_repo import RepoConfig, render
+    from spork_trt.engines.default_target import default_target
+    from spork_trt.serving.triton_repo import RepoConfig, render
 
     stage("rendering the Triton model repository triton_repo (cpu profile; the default target on this host: "
           f"{default_target(mf.read(out)).describe()})")

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from .. import io_spec
-from ..config import ModelConfig
-from ..model import causal_mask
-from ..tokenizer import Tokenizer
-from .code_prompts import stdlib_candidates
+from spork_trt import io_spec
+from spork_trt.config import ModelConfig
+from spork_trt.checkpoint.transformer import causal_mask
+from spork_trt.checkpoint.tokenizer import Tokenizer
+from spork_trt.export.code_prompts import stdlib_candidates
 
 CALIB_PROMPTS = 16  # stdlib function prompts
 CALIB_WINDOW = 64  # tokens per feed

@@ -19,7 +19,7 @@ def activation_amax(src: Path, feeds: list[dict]) -> dict[str, float]:
     """Absolute maximum of every MatMul input over the calibration feeds."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
-    from .calib_data import FeedReader
+    from spork_trt.export.calib_data import FeedReader
 
     with tempfile.TemporaryDirectory(prefix="spork-fp8-") as tmp:
         cal = create_calibrator(src, ["MatMul"], augmented_model_path=str(Path(tmp) / "augmented.onnx"),
@@ -70,7 +70,7 @@ def quantize_fp8(src: Path, out: Path, feeds: list[dict], nodes: list[str]) -> P
         ordered += new_nodes.get(n.name, []) + [n]
     del g.node[:]
     g.node.extend(ordered)
-    from .quantize import save_external
+    from spork_trt.export.quantize import save_external
 
     return save_external(model, out)
 

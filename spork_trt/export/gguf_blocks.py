@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..gguf_blocks import BLOCK, Blocks, read_blocks, rope_heads
+from spork_trt.checkpoint.gguf_blocks import BLOCK, Blocks, read_blocks, rope_heads
 
 BLOCKS_LAYOUT = "blocks-1"  # in the build's inputs: a change rebuilds int4 graphs made from a GGUF's blocks
 
@@ -53,7 +53,7 @@ def keep_blocks(src: Path, out: Path, gguf_path: Path, rope: dict[str, int]) -> 
     import onnx
     from onnx import numpy_helper
 
-    from .quantize import save_external
+    from spork_trt.export.quantize import save_external
 
     blocks = read_blocks(gguf_path, rope)
     index = {row_key(row): (name, r) for name, b in blocks.items() for r, row in enumerate(b.dequantized())}
@@ -120,7 +120,7 @@ def matmul_nbits(node, kept: Blocks, rank: int) -> tuple[list, list]:
 def int4_from_blocks(fp32: Path, out: Path, ck) -> Path:
     """The int4 graph of a GGUF checkpoint `ck`: its Q4_0 / Q4_1 / Q8_0 blocks kept; any other weight MatMul
     (an F16 or K-quant tensor) requantized as quantize.quantize_nbits does."""
-    from .quantize import quantize_nbits, quiet
+    from spork_trt.export.quantize import quantize_nbits, quiet
 
     path, replaced, left = keep_blocks(fp32, out, ck.path, rope_heads(ck.cfg))
     if left:

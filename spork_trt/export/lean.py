@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..io_spec import GQA, PLAIN
-from ..model import RMSNorm, Transformer, mask_bias, rope_cos_sin
+from spork_trt.io_spec import GQA, PLAIN
+from spork_trt.checkpoint.transformer import RMSNorm, Transformer, mask_bias, rope_cos_sin
 
 
 class Reshape(torch.autograd.Function):

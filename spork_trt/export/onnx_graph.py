@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .. import io_spec
-from ..model import Transformer
-from .lean import GQA_SLOTS, LeanGraph, LeanHead
+from spork_trt import io_spec
+from spork_trt.checkpoint.transformer import Transformer
+from spork_trt.export.lean import GQA_SLOTS, LeanGraph, LeanHead
 
 OPSET = 17
 GRAPH_LAYOUT = "lean-5"  # a build input: bump it when the exported graph changes, so older engines are rebuilt

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..draft_kinds import QUANTS
+from spork_trt.draft_kinds import QUANTS
 
 
 def quantize(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict]] | None = None) -> Path:
@@ -58,7 +58,7 @@ def run_quantizer(kind: str, src: Path, out: Path, feeds: Callable[[], list[dict
         return out
     assert feeds is not None, f"{kind} needs calibration feeds"
     if kind == "fp8":
-        from .fp8 import quantize_fp8
+        from spork_trt.export.fp8 import quantize_fp8
 
         return quantize_fp8(src, out, feeds(), weight_matmuls(src))
     return quantize_static_int8(src, out, feeds())
@@ -87,7 +87,7 @@ def save_external(model, out: Path) -> Path:
 def quantize_static_int8(src: Path, out: Path, feeds: list[dict]) -> Path:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    from .calib_data import FeedReader
+    from spork_trt.export.calib_data import FeedReader
 
     quantize_static(src, out, FeedReader(feeds), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
                     nodes_to_quantize=int8_matmuls(src), activation_type=QuantType.QInt8,

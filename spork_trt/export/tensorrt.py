@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import atomic, io_spec
-from ..config import ModelConfig
-from ..engines.trt_engine import require_tensorrt
-from ..errors import UserError
+from spork_trt import atomic, io_spec
+from spork_trt.config import ModelConfig
+from spork_trt.engines.trt_engine import require_tensorrt
+from spork_trt.errors import UserError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8-static", "fp8")
 QDQ_PRECISIONS = ("int8-static", "fp8")  # built from the Q/DQ graphs export/quantize.py makes (the same names)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
-from ..config import GenerateConfig, SpecConfig
-from ..draft_kinds import AUTO_DRAFT
-from ..errors import UserError
-from ..generate import generate
-from ..prompts import load_prompts
-from ..verifier import FEATURES, ConfidenceHead, Verifier, fit_head, head_file
+from spork_trt import atomic
+from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.draft_kinds import AUTO_DRAFT
+from spork_trt.errors import UserError
+from spork_trt.loop.generate import generate
+from spork_trt.prompts import load_prompts
+from spork_trt.spec.verifier import FEATURES, ConfidenceHead, Verifier, fit_head, head_file
 
 DEPTHS = range(1, 7)
 BINS = 10
@@ -116,7 +116,7 @@ def collect(rt, prompts: str, cfg: CalibrateConfig, verifier: Verifier) -> NodeS
 
 def engines_sha(engines: Path) -> str:
     """The build's verifier + target identity (a rebuilt engine invalidates collected nodes)."""
-    from .. import manifest as mf
+    from spork_trt.checkpoint import manifest as mf
 
     m = mf.read(engines)
     return "".join(mf.weights(m, m["engines"][r]).get("sha256", "") for r in ("target", "verifier"))
@@ -199,7 +199,7 @@ def reliability_plot(head: ConfidenceHead, nodes: NodeSet, title: str, path: Pat
 
 
 def calibrate(cfg: CalibrateConfig) -> CalibrationReport:
-    from ..runtime import Runtime
+    from spork_trt.loop.runtime import Runtime
 
     heldout = cfg.heldout or {"mt_bench": "humaneval", "humaneval": "mt_bench"}.get(cfg.prompts)
     if heldout is None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..draft_head import DraftHead, HeadConfig
-from ..errors import UserError
+from spork_trt.spec.draft_head import DraftHead, HeadConfig
+from spork_trt.errors import UserError
 
 KEYS = {"fc.weight": "fuse.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
         **{f"midlayer.self_attn.{a}_proj.weight": f"layer.attn.w{a}.weight" for a in "qkvo"},

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import atomic
-from ..draft_head import target_to_draft
+from spork_trt import atomic
+from spork_trt.spec.draft_head import target_to_draft
 
 HELDOUT_EVERY = 20  # 1 sequence in 20 (by id hash) is held out
 
@@ -59,7 +59,7 @@ def extract(target, seqs: list[list[int]], taps: tuple[int, ...], folder: Path, 
         stage(f"features: resuming after {start}/{len(seqs)} sequences")
     t0, last = time.perf_counter(), time.perf_counter()
     dev = next(target.parameters()).device  # the target's device (train-draft --device cuda: there, in fp32)
-    from ..model import causal_mask
+    from spork_trt.checkpoint.transformer import causal_mask
 
     per = batch or (1 if dev.type == "cpu" else 32)  # sequences per forward (right-padded; causal: pads unseen)
     with torch.no_grad():

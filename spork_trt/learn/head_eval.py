@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .head_data import Features, batches, by_length
-from .unroll import Teacher, unroll
+from spork_trt.learn.head_data import Features, batches, by_length
+from spork_trt.learn.unroll import Teacher, unroll
 
 if TYPE_CHECKING:
-    from .train_draft import TrainConfig
+    from spork_trt.learn.train_draft import TrainConfig
 
 
 CONFIDENCE = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)  # lower edges of the target's top-1 probability buckets

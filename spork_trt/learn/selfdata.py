@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import atomic
-from ..config import DEVICE_DTYPE, GenerateConfig, SamplingConfig, SpecConfig
-from ..errors import UserError
-from ..export.artifacts import ANSWERS, COUNTS, RECIPE, read_jsonl
-from ..export.code_prompts import stdlib_candidates
-from ..generate import run_many
+from spork_trt import atomic
+from spork_trt.config import DEVICE_DTYPE, GenerateConfig, SamplingConfig, SpecConfig
+from spork_trt.errors import UserError
+from spork_trt.export.artifacts import ANSWERS, COUNTS, RECIPE, read_jsonl
+from spork_trt.export.code_prompts import stdlib_candidates
+from spork_trt.loop.generate import run_many
 
 PROMPTS = "prompts.jsonl"
 SENTINEL = "\x00SPORK_USER_TURN\x00"  # cut point: the chat template's text before the user's content
@@ -224,9 +224,9 @@ def answer(rt, cfg: SelfDataConfig, prompts: list[dict]) -> list[dict]:
 def runtime(cfg: SelfDataConfig):
     """(the runtime that writes the data, the target checkpoint's sha256): the --engines build (ONNX Runtime), or,
     with a --model or on a GPU, the checkpoint on torch (the device engine with CUDA graphs on cuda)."""
-    from ..runtime import Runtime
-    from ..weights import default_gguf_path
-    from .. import manifest as mf
+    from spork_trt.loop.runtime import Runtime
+    from spork_trt.checkpoint.weights import default_gguf_path
+    from spork_trt.checkpoint import manifest as mf
 
     if cfg.model is None and cfg.device == "cpu":
         return Runtime.from_engines(cfg.engines, load_head=False), mf.read(cfg.engines)["source"]["sha256"]

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import atomic
-from ..draft_head import DraftHead, HeadConfig, load_head
-from ..errors import UserError
-from ..export import artifacts
-from .head_data import Features, batches, by_length, draft_vocab, extract, heldout, stage
-from .head_eval import evaluate
-from .unroll import Teacher, unroll
+from spork_trt import atomic
+from spork_trt.spec.draft_head import DraftHead, HeadConfig, load_head
+from spork_trt.errors import UserError
+from spork_trt.export import artifacts
+from spork_trt.learn.head_data import Features, batches, by_length, draft_vocab, extract, heldout, stage
+from spork_trt.learn.head_eval import evaluate
+from spork_trt.learn.unroll import Teacher, unroll
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class TrainConfig:
 
 def train_draft(cfg: TrainConfig, target=None) -> dict:
     """Train (or resume) a head for `target` (a model.Transformer; None: cfg.model's checkpoint)."""
-    from ..weights import load_checkpoint
+    from spork_trt.checkpoint.weights import load_checkpoint
 
     torch.manual_seed(cfg.seed)
     if cfg.epochs < 1 or cfg.steps < 1 or cfg.batch < 1 or cfg.lr <= 0:
@@ -142,7 +142,7 @@ def data_folder(data: Path, ck) -> Path:
     """`--data`: a folder, or "shipped": the corpus that ships for the target checkpoint (its sha256)."""
     if str(data) != "shipped":
         return data
-    from .. import manifest as mf
+    from spork_trt.checkpoint import manifest as mf
 
     found = artifacts.shipped(mf.checkpoint_sha256(ck.path)) if ck is not None else None
     if found is None:
@@ -155,7 +155,7 @@ def assistant_header(ck) -> list[int]:
     """The chat template's assistant-turn opening (where an answer starts in a packed corpus); [] without one."""
     if ck is None:
         return []
-    from ..tokenizer import load_tokenizer
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ck.path, ck.kind, ck.cfg.eos_token_ids)
     if not tok.has_chat_template:

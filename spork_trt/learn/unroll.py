@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..draft_head import DraftHead
+from spork_trt.spec.draft_head import DraftHead
 
 
 class StepKV:

@@ -3,14 +3,15 @@ HTTP and gRPC, which Triton refuses for the decoupled `ensemble`). It makes the 
 through BLS: `preprocessing` (text -> ids), `spork` (answered once; it loads no engine, so every entry point shares
 one engine core and one KV pool), `postprocessing` (ids -> text). The same models answer as in `ensemble`, so the
 text is the same. Unlike an ensemble (whose cancellation Triton 2.51 checks only between steps) it is cancellable: a
-gRPC client's cancel reaches the engine core through a cancel key (spork_trt.triton_unary, shared with
+gRPC client's cancel reaches the engine core through a cancel key (spork_trt.serving.triton_unary, shared with
 `spork_unary`). A thin adapter: the requests of a batch (the dynamic batcher's, which bounds the queue in front of
 it) are answered concurrently, and several light instances serve batches at once."""
 import asyncio
 
 import triton_python_backend_utils as pb_utils
 
-from spork_trt import io_spec, triton_unary
+from spork_trt import io_spec
+from spork_trt.serving import triton_unary
 
 PROMPT = [t.name for t in io_spec.model_step("preprocessing").inputs]  # text_input
 IDS = [t.name for t in io_spec.model_step("preprocessing").outputs]  # input_ids: preprocessing -> spork

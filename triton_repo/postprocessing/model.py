@@ -1,12 +1,12 @@
 """Triton python model `postprocessing`: the spork step's token ids -> the text this response adds.
 Stateless (every response carries its new ids after a few already sent, and how many those are), so a stream never
 splits a multi-byte character and never decodes the whole prefix. Each request gets its own response or error.
-A thin adapter: the logic is spork_trt.triton_steps.decode_chunk (tested without Triton)."""
+A thin adapter: the logic is spork_trt.serving.triton_steps.decode_chunk (tested without Triton)."""
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import public_error
-from spork_trt.triton_steps import decode_chunk, model_tokenizer
+from spork_trt.serving.engine_service import public_error
+from spork_trt.serving.triton_steps import decode_chunk, model_tokenizer
 
 
 class TritonPythonModel:

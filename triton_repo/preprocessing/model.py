@@ -1,10 +1,10 @@
 """Triton python model `preprocessing`: text_input -> input_ids through the chat template.
-A thin adapter: the logic is spork_trt.triton_steps.encode_text (tested without Triton)."""
+A thin adapter: the logic is spork_trt.serving.triton_steps.encode_text (tested without Triton)."""
 import triton_python_backend_utils as pb_utils
 
 from spork_trt.errors import UserError
-from spork_trt.service import public_error
-from spork_trt.triton_steps import encode_text, model_text_limit, model_tokenizer
+from spork_trt.serving.engine_service import public_error
+from spork_trt.serving.triton_steps import encode_text, model_text_limit, model_tokenizer
 
 
 class TritonPythonModel:

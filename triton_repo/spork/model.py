@@ -5,7 +5,7 @@ is free at the next step; a cancel is answered with an empty final response). Wi
 up to max_queue; beyond that they are answered UNAVAILABLE. A request that fails fails alone, answered with its id
 only (the detail in the log). If the engine loop stops, every request is answered UNAVAILABLE at once and the gauge
 spork_engine_loop_up turns 0 (a python model cannot turn its own readiness off). Custom Prometheus metrics on the
-metrics port. A thin adapter: the logic is spork_trt.service (tested without Triton)."""
+metrics port. A thin adapter: the logic is spork_trt.serving.engine_service (tested without Triton)."""
 import threading
 from pathlib import Path
 
@@ -13,10 +13,10 @@ import triton_python_backend_utils as pb_utils
 
 from spork_trt import io_spec
 from spork_trt.config import DEVICE_DTYPE
-from spork_trt.core import CoreConfig
+from spork_trt.loop.engine_core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
-from spork_trt.service import Service, public_error
-from spork_trt.triton_steps import instance_device, model_parameters
+from spork_trt.serving.engine_service import Service, public_error
+from spork_trt.serving.triton_steps import instance_device, model_parameters
 
 STEP = io_spec.model_step("spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,0 +1,124 @@
+"""Tokenizer and chat template, read from the same source as the weights (GGUF metadata or an HF directory).
+
+transformers is used for tokenization only (never its modeling code). Converting a GGUF vocabulary takes seconds,
+so the converted tokenizer is cached under ~/.cache/spork_trt keyed by the file's path, size and mtime; the cache
+only saves time, it never changes a token.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from spork_trt import atomic
+from spork_trt.errors import UserError
+
+
+@dataclass
+class Tokenizer:
+    hf: object  # a transformers PreTrainedTokenizerBase
+    eos_ids: frozenset[int]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids of a user prompt: through the chat template unless `raw` (or the model has none)."""
+        if not prompt.strip():
+            raise UserError("the prompt is empty: pass some text to generate from")
+        if raw or not self.has_chat_template:
+            return list(self.hf.encode(prompt, add_special_tokens=True))
+        text = self.hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def is_rendered(self, text: str) -> bool:
+        """True if `text` is a conversation already rendered by this model's chat template: it begins with the
+        special token every rendering begins with (ChatML's `<|im_start|>`). Triton's own OpenAI frontend sends
+        that; templating it again would wrap a whole conversation as one user message."""
+        opening = self.template_opening
+        return opening is not None and text.startswith(opening)
+
+    @cached_property
+    def template_opening(self) -> str | None:
+        """The special token that begins every rendering of the chat template (None: no template, or it begins
+        with ordinary text)."""
+        if not self.has_chat_template:
+            return None
+        a, b = (self.hf.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                            add_generation_prompt=True) for c in ("a", "b"))
+        common = a[:next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))]
+        ids = self.hf.encode(common, add_special_tokens=False)
+        if not ids or ids[0] not in set(self.hf.all_special_ids):
+            return None
+        return self.hf.convert_ids_to_tokens(ids[0])
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a conversation the chat template already rendered: exactly what encode_prompt gives for
+        the same conversation (no special tokens added)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def save(self, out: Path) -> list[Path]:
+        """Write tokenizer files (tokenizer.json, tokenizer_config.json, ...) into `out`."""
+        out.mkdir(parents=True, exist_ok=True)
+        return [Path(p) for p in self.hf.save_pretrained(str(out))]
+
+
+def text_delta(tok: Tokenizer, ids: list[int], sent: int, final: bool) -> str:
+    """The text that `ids` adds to what `ids[:sent]` already streamed. A pure function of its arguments, so a
+    stateless step (Triton's postprocessing) can stream: a non-final text holds back a trailing incomplete
+    multi-byte character (decoded as U+FFFD) until the tokens completing it arrive; `final` flushes it."""
+    before = tok.decode(ids[:sent]).rstrip("\ufffd") if sent else ""
+    after = tok.decode(ids) if final else tok.decode(ids).rstrip("\ufffd")
+    return after[len(before):]
+
+
+class StreamDecoder:
+    """Incremental detokenizer for a local stream: deltas that never split a multi-byte character."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids, self.sent = tok, [], 0
+
+    def feed(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        delta = text_delta(self.tok, self.ids, self.sent, final)
+        self.sent = len(self.ids)
+        return delta
+
+
+def load_tokenizer(path: Path, kind: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """Tokenizer of a checkpoint: `kind` is "gguf" (path is the file) or "hf" (path is the directory)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable: never try
+    from transformers import AutoTokenizer
+
+    try:
+        if kind == "hf" or path.is_dir():
+            hf = AutoTokenizer.from_pretrained(str(path))
+        else:
+            cache = tokenizer_cache_dir(path)
+            if (cache / "tokenizer.json").is_file():
+                hf = AutoTokenizer.from_pretrained(str(cache))
+            else:
+                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                with atomic.folder(cache) as tmp:  # a cache is whole or absent
+                    hf.save_pretrained(str(tmp))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read a tokenizer from {path} ({e}); it must hold tokenizer files or GGUF "
+                        "tokenizer metadata") from None
+    eos = set(eos_ids)
+    if hf.eos_token_id is not None:
+        eos.add(int(hf.eos_token_id))
+    return Tokenizer(hf, frozenset(eos))
+
+
+def tokenizer_cache_dir(gguf_file: Path) -> Path:
+    st = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spork_trt" / "tokenizers"
+    return root / key

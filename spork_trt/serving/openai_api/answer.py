@@ -1,0 +1,44 @@
+"""One answer: the upstream stream's text through the stop strings, then how it ended (finish reason, exact token
+counts, the speculative stats). Streaming and non-streaming responses are both built from these events, so they
+carry the same text."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from spork_trt.serving.openai_api.errors import ApiError
+from spork_trt.serving.openai_api.stops import StopFilter, tokens_through_stop
+from spork_trt.serving.openai_api.upstream import Stream
+
+
+@dataclass(frozen=True)
+class End:
+    finish_reason: str  # stop (EOS or a stop string) | length (max_tokens)
+    completion_tokens: int
+    stats: dict[str, float]
+
+
+async def answer(stream: Stream) -> AsyncIterator[str | End]:
+    """Text pieces (never empty), then one End. The engine core ends the request at a stop string itself (upstream
+    sends them as stop_words) and holds back the tokens that could begin one; the filter cuts the text exactly where
+    the stop string starts, and cancels the stream should it see one first."""
+    stops = stream.job.cfg.stop_strings
+    filt = StopFilter(stops)
+    async for piece in stream:
+        text = filt.feed(piece.text)
+        if text:
+            yield text
+        if filt.stopped:  # the rest is not wanted: free the slot now
+            stream.cancel()
+            yield End("stop", tokens_through_stop(piece.ids, stream.tok.decode, stops), piece.stats)
+            return
+        if piece.final:
+            rest = filt.flush()
+            if rest:
+                yield rest
+            # the server's deadline cut it short, like max_tokens: "length"
+            yield End("length" if piece.stop_reason in ("max_tokens", "timeout") else "stop", len(piece.ids),
+                      piece.stats)
+            return
+    raise ApiError(502, "the model server ended the answer without its final response", None, "upstream_error",
+                   "server_error")

@@ -1,0 +1,150 @@
+"""The routes: /v1/chat/completions, /v1/completions, /v1/models, /health. Every error is OpenAI's JSON shape; a
+client that goes away cancels its gRPC stream (Triton's spork model frees the slot at its next step)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from spork_trt.serving.openai_api import responses as rs
+from spork_trt.serving.openai_api.answer import End, answer
+from spork_trt.serving.openai_api.errors import ApiError, bad_request
+from spork_trt.serving.openai_api.model import ServedModel
+from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
+from spork_trt.serving.openai_api.upstream import MODEL, Stream
+
+log = logging.getLogger("spork_trt.serving.openai_api")
+DISCONNECT_POLL_S = 0.5
+
+
+def create_app(model: ServedModel, grpc_url: str) -> FastAPI:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        import tritonclient.grpc.aio as grpcclient
+
+        state["client"] = grpcclient.InferenceServerClient(grpc_url)  # one channel, one stream per request
+        yield
+        await state["client"].close()
+
+    app = FastAPI(title="spork_trt OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, e.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:  # unknown routes, wrong methods
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(e.status_code, str(e.detail), None, None, kind).body(), e.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            ready = await state["client"].is_model_ready(MODEL)
+        except Exception:  # noqa: BLE001 - any failure to ask means not ready
+            ready = False
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(model)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> dict:
+        if name != model.name:
+            raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
+                           "model_not_found")
+        return model_card(model)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, COMPLETION)
+
+    async def complete(request: Request, kind: str):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request(None, "the request body is not valid JSON") from None
+        job = parse_job(body, kind, model)
+        head = rs.Head.new(kind, model.name)
+        stream = Stream(state["client"], job, model.tokenizer)
+        events = answer(stream)
+        if not job.stream:
+            return await until_disconnected(request, whole(head, events, len(job.prompt_ids)), stream)
+        first = await until_disconnected(request, anext(events), stream)  # errors before any byte: a JSON error
+        return StreamingResponse(sse(head, first, events, stream, job.include_usage, len(job.prompt_ids)),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+def model_card(model: ServedModel) -> dict:
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "spork_trt",
+            "context_window": model.context}
+
+
+async def whole(head: rs.Head, events, prompt_tokens: int) -> JSONResponse:
+    text = []
+    async for e in events:
+        if isinstance(e, End):
+            return JSONResponse(rs.whole(head, "".join(text), e.finish_reason,
+                                         rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
+        text.append(e)
+    raise AssertionError("answer() ends with an End")
+
+
+async def sse(head: rs.Head, first, events, stream: Stream, include_usage: bool, prompt_tokens: int):
+    """Server-sent events; the generator is cancelled (closed) when the client goes away, which cancels the
+    gRPC stream."""
+    def data(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        if head.kind == CHAT:  # the assistant's role first, as OpenAI streams it
+            yield data(rs.chunk(head, "", first=True, with_usage=include_usage))
+        e = first
+        while True:
+            if isinstance(e, End):
+                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage)
+                final["metrics"] = rs.metrics(e.stats)
+                yield data(final)
+                if include_usage:
+                    yield data(rs.usage_chunk(head, rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
+                yield "data: [DONE]\n\n"
+                return
+            yield data(rs.chunk(head, e, with_usage=include_usage))
+            e = await anext(events)
+    except ApiError as err:  # after the headers went out: the error as the stream's last event
+        yield data(err.body())
+    finally:
+        stream.cancel()
+
+
+async def until_disconnected(request: Request, work, stream: Stream):
+    """Await `work`, cancelling it and the gRPC stream if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client went away: cancelling its request")
+                task.cancel()
+                stream.cancel()
+                raise ApiError(499, "the client closed the request", None, "client_closed")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,141 @@
+"""A request body -> one validated Job, checked once at the edge (DESIGN 8.7, 8.17): the sampling fields through
+io_spec.request_config (the configs' own limits and messages, spelled as OpenAI spells the fields), the lengths
+through admission.size_request; anything this server does not do is a 400 naming the field, never ignored."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spork_trt.loop.admission import size_request
+from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.errors import FieldError
+from spork_trt.io_spec import SERVED_MODES, request_config
+from spork_trt.serving.openai_api.errors import ApiError, bad_request
+from spork_trt.serving.openai_api.model import ROLES, ServedModel
+
+CHAT, COMPLETION = "chat.completion", "text_completion"
+# accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
+DEFAULT_ONLY: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0), "top_logprobs": (0,),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
+}
+IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
+FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
+                 "spec_mode", *SAMPLING},
+          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", *SAMPLING}}
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # CHAT | COMPLETION (the response's `object`)
+    prompt_ids: tuple[int, ...]  # [n]
+    cfg: GenerateConfig  # max_new_tokens: what was asked for, else all that fits; stop_strings: `stop`
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    spec_mode: str = SERVED_MODES[0]  # extension, as the Triton input: spork or plain (the baseline, same text)
+
+
+def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
+    if not isinstance(body, dict):
+        raise bad_request(None, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key in IGNORED or (key in DEFAULT_ONLY and value is None):
+            continue
+        if key in DEFAULT_ONLY:
+            allowed = DEFAULT_ONLY[key]
+            if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
+                shown = f"{key}={value!r}" if isinstance(value, (bool, int, float, str)) else key
+                raise bad_request(key, f"{shown} is not supported by this server (only {key}="
+                                  f"{' or '.join(map(repr, allowed))}, or leave it out)", "unsupported_parameter")
+        elif key not in FIELDS[kind]:
+            raise bad_request(key, f"unrecognized request argument: {key}", "unrecognized_argument")
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad_request("model", "model is required: the name /v1/models lists")
+    if name != model.name:
+        raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
+                       "model_not_found")
+    ids = model.chat_ids(messages(body.get("messages"))) if kind == CHAT else model.prompt_ids(prompt(body))
+    stream = flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false}, with stream")
+    include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
+    size_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    names = {"max_new_tokens": size_name, "stop_strings": "stop", **{v: k for k, v in SAMPLING.items()}}
+    asked = body.get(size_name)
+    values = {"max_new_tokens": asked, "stop_strings": stops(body.get("stop")),
+              **{field: body.get(key) for key, field in SAMPLING.items()}}
+    try:
+        cfg = request_config(values, lambda f: names[f.field])
+    except FieldError as e:  # already named as OpenAI spells the field
+        raise bad_request(names[e.field], str(e)) from None
+    param = "messages" if kind == CHAT else "prompt"
+    try:  # no max_tokens: all that fits the context (the model stops at its end-of-turn token long before, mostly)
+        size = size_request(len(ids), model.context if asked is None else asked, SpecConfig(), model.context,
+                            clip=asked is None)
+    except FieldError as e:
+        name = param if e.field == "prompt" else size_name
+        raise bad_request(name, str(e.named(name)), "context_length_exceeded") from None
+    mode = body.get("spec_mode") or SERVED_MODES[0]
+    if mode not in SERVED_MODES:
+        raise bad_request("spec_mode", f"spec_mode must be one of {', '.join(SERVED_MODES)}, got {mode!r}")
+    return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
+               mode)
+
+
+def flag(body: dict, key: str, param: str | None = None):
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(param or key, f"{param or key} must be true or false, got {value!r}")
+    return value
+
+
+def stops(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not 1 <= len(items) <= 4 or not all(isinstance(s, str) and s for s in items):
+        raise bad_request("stop", f"stop must be a non-empty string or a list of 1 to 4 of them, got {value!r}")
+    return tuple(items)
+
+
+def prompt(body: dict) -> str:
+    value = body.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # a batch of one
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request("prompt", "prompt must be a non-empty string (one prompt per request)")
+    return value
+
+
+def messages(value) -> list[dict[str, str]]:
+    """OpenAI messages -> role/content dicts for the chat template (text only: string content or text parts)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)} (no tools here)")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad_request(f"{where}.{sorted(extra)[0]}", f"{where}.{sorted(extra)[0]} is not supported")
+        out.append({"role": ROLES[m["role"]], "content": content(m.get("content"), f"{where}.content")})
+    if not any(m["content"].strip() for m in out):
+        raise bad_request("messages", "messages hold no text: send some")
+    return out
+
+
+def content(value, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
+                                                                                                   str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise bad_request(where, f"{where} must be a string or a list of text parts (this model reads text only)")

@@ -1,0 +1,70 @@
+"""OpenAI's response shapes: the whole answer, stream chunks, usage, and the speculative-decoding stats in the
+extension field `metrics.speculative_decoding`."""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+from spork_trt.serving.openai_api.params import CHAT
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every response and chunk of one answer repeats."""
+
+    kind: str  # params.CHAT | params.COMPLETION
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, kind: str, model: str) -> Head:
+        prefix = "chatcmpl-" if kind == CHAT else "cmpl-"
+        return cls(kind, prefix + secrets.token_hex(12), int(time.time()), model)
+
+    def fields(self, chunk: bool = False) -> dict:
+        kind = self.kind + (".chunk" if chunk and self.kind == CHAT else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict[str, float]) -> dict:
+    """`stats`: the final response's; its cached_tokens are the prompt tokens whose KV rows were reused."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_tokens", 0))}}
+
+
+def metrics(stats: dict[str, float]) -> dict:
+    return {"speculative_decoding": {
+        "mean_accepted_length": stats.get("mean_accepted_length", 0.0),
+        "acceptance_rate": stats.get("acceptance_rate", 0.0),
+        "draft_tokens": int(stats.get("total_draft_tokens", 0)),
+        "accepted_draft_tokens": int(stats.get("total_accepted_draft_tokens", 0)),
+        "steps": int(stats.get("num_steps", 0))}}
+
+
+def choice(head: Head, text: str | None, finish: str | None, chunk: bool, first: bool = False) -> dict:
+    if head.kind != CHAT:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if not chunk:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    delta = ({"role": "assistant", "content": text or ""} if first else {"content": text} if text else {})
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def whole(head: Head, text: str, finish: str, use: dict, stats: dict) -> dict:
+    return {**head.fields(), "choices": [choice(head, text, finish, False)], "usage": use, "metrics": metrics(stats)}
+
+
+def chunk(head: Head, text: str | None, finish: str | None = None, first: bool = False,
+          with_usage: bool = False) -> dict:
+    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first)]}
+    if with_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(head: Head, use: dict, stats: dict) -> dict:
+    return {**head.fields(True), "choices": [], "usage": use, "metrics": metrics(stats)}

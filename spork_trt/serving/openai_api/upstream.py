@@ -1,0 +1,113 @@
+"""The gRPC stream to Triton's `spork` model (tritonclient.grpc.aio): a Job's token ids, sampling tensors and stop
+strings in, pieces of text out, decoded from each response's token window exactly as the ensemble's postprocessing
+does (the stop strings are cut here, by answer.py's StopFilter, not by the spork step's `cut_at`)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spork_trt.errors import retryable
+from spork_trt.checkpoint.tokenizer import Tokenizer, text_delta
+from spork_trt.serving.openai_api.errors import ApiError, unavailable
+from spork_trt.serving.openai_api.params import Job
+
+MODEL = "spork"
+
+
+@dataclass
+class Piece:
+    """One response of the stream: the text it adds and everything known so far."""
+
+    text: str
+    ids: list[int]  # every token generated so far (EOS excluded)
+    stats: dict[str, float]
+    stop_reason: str  # "" until the final response: eos | max_tokens | stop_string
+    final: bool
+
+
+@dataclass
+class Stream:
+    """`async for piece in stream`; `cancel()` ends the gRPC call (Triton's spork model frees the slot at its next
+    step)."""
+
+    client: object  # tritonclient.grpc.aio.InferenceServerClient
+    job: Job
+    tok: Tokenizer
+    ids: list[int] = field(default_factory=list)
+    call: object = None
+    finished: bool = False  # the final response arrived: Triton ends the call itself
+
+    def cancel(self) -> None:
+        if self.call is not None and not self.finished:
+            self.call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        import grpc
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": inputs(self.job)}
+
+        self.call = self.client.stream_infer(requests())
+        try:
+            async for result, error in self.call:
+                if error is not None:  # the server ended the request: nothing to cancel (as our other clients;
+                    self.finished = True  # docs/serving.md, known issues)
+                    raise upstream_error(error.message())
+                piece = self.piece(result)
+                self.finished = piece.final
+                yield piece
+                if piece.final:
+                    return
+        except grpc.RpcError as e:  # Triton down, draining or refusing connections
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise
+            raise unavailable(f"the model server is unavailable ({e.code().name}): retry later") from None
+        finally:  # an answer cut short (a stop string, an error, the client gone): Triton frees its slot
+            if not self.finished:
+                self.cancel()
+
+    def piece(self, result) -> Piece:
+        window = [int(i) for i in result.as_numpy("output_ids").reshape(-1)]
+        sent = int(result.as_numpy("sent_len").reshape(-1)[0])
+        final = bool(result.as_numpy("final").reshape(-1)[0])
+        self.ids.extend(window[sent:])
+        stats = {k: float(result.as_numpy(k).reshape(-1)[0]) for k in
+                 ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "mean_accepted_length",
+                  "num_steps", "cached_tokens")}
+        reason = result.as_numpy("stop_reason").reshape(-1)[0]
+        return Piece(text_delta(self.tok, window, sent, final), self.ids, stats,
+                     reason.decode() if isinstance(reason, bytes) else str(reason), final)
+
+
+def upstream_error(message: str) -> ApiError:
+    """A Triton error response: queue full or shutting down is a 503 to retry; anything else was validated here
+    already, so it is the server's fault (its text stays in Triton's log, not in the response)."""
+    if retryable(message):
+        return unavailable(f"the server is busy: {message}")
+    return ApiError(500, "the model server failed this request: see its log", None, "upstream_error", "server_error")
+
+
+def inputs(job: Job) -> list:
+    """The `spork` model's tensors, each with the batch dim: [1, n] ids, [1, 1] settings."""
+    import tritonclient.grpc.aio as grpcclient
+
+    s = job.cfg.sampling
+    values = {"input_ids": (np.array([job.prompt_ids], np.int32), "INT32"),
+              "max_tokens": (np.array([[job.cfg.max_new_tokens]], np.int32), "INT32"),
+              "temperature": (np.array([[s.temperature]], np.float32), "FP32"),
+              "top_p": (np.array([[s.top_p]], np.float32), "FP32"),
+              "top_k": (np.array([[s.top_k]], np.int32), "INT32"),
+              "stream": (np.array([[True]], np.bool_), "BOOL"),  # always: stop strings and cancellation need it
+              "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
+    if s.seed is not None:
+        values["seed"] = (np.array([[s.seed]], np.uint64), "UINT64")
+    if job.cfg.stop_strings:  # the engine core ends the request there too, freeing its slot without a cancel
+        values["stop_words"] = (np.array([[t.encode("utf-8") for t in job.cfg.stop_strings]], np.object_), "BYTES")
+    out = []
+    for name, (arr, dtype) in values.items():
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out

@@ -1,0 +1,90 @@
+"""The Triton python models' step functions, without Triton: preprocessing (text -> the prompt's ids, refused by
+size before any work), postprocessing (ids -> incremental text), and what every model reads from its config
+(parameters, the instance's device, the build's tokenizer). `triton_repo/*/model.py` only convert tensors."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from spork_trt.errors import UserError
+from spork_trt.io_spec import TEXT_MISSING
+from spork_trt.loop.stopping import cut
+from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer, text_delta
+
+
+def text_limit(tok: Tokenizer, context: int) -> int:
+    """Bytes of text past which no prompt fits `context` tokens: a token covers at most the longest token's bytes,
+    so a longer text has more tokens than the context. Checked before decoding or tokenizing anything."""
+    longest = max(len(tok.hf.decode([i]).encode()) for i in range(len(tok.hf)))
+    return context * max(longest, 1)
+
+
+def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | None = None) -> np.ndarray:
+    """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template (a conversation
+    the template already rendered, as Triton's OpenAI frontend sends, is not templated again); a text over
+    `max_bytes` (text_limit) is refused before any work."""
+    if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
+        raise UserError(TEXT_MISSING)
+    if text_input.size != 1:
+        raise UserError(f"text_input must hold one string per request, got shape {list(text_input.shape)}")
+    raw = text_input.reshape(-1)[0]
+    size = len(raw) if isinstance(raw, bytes) else len(str(raw).encode())
+    if max_bytes is not None and size > max_bytes:
+        raise UserError(f"text_input is {size} bytes: no text over {max_bytes} bytes fits the model's context; "
+                        "send less text")
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError as e:
+        raise UserError(f"text_input is not valid UTF-8 ({e.reason} at byte {e.start}): send UTF-8 text") from None
+    if not text.strip():
+        raise UserError("text_input is empty: send some text to generate from")
+    return np.array([tok.encode_rendered(text) if tok.is_rendered(text) else tok.encode_prompt(text)], np.int32)
+
+
+def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, final: np.ndarray,
+                 cut_at: np.ndarray | None = None) -> np.ndarray:
+    """Postprocessing: the text this response adds -> text_output [1, 1] (UTF-8 bytes), ended where the first of the
+    stop strings `cut_at` [1, k] starts (the spork step sends them with the final response, and holds back until then
+    the tokens that could begin one, so a stop string lies whole within the final response's text)."""
+    ids = [int(i) for i in output_ids.reshape(-1)]
+    delta = text_delta(tok, ids, int(sent_len.reshape(-1)[0]), bool(final.reshape(-1)[0]))
+    stops = () if cut_at is None else tuple(s.decode("utf-8") for s in cut_at.reshape(-1))
+    return np.array([[cut(delta, stops).encode("utf-8")]], np.object_)
+
+
+def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """A Triton python model's `initialize` args -> its config parameters, with `engines` resolved to a path
+    (a relative one is relative to the repository root)."""
+    import json
+
+    params = {k: v.get("string_value", "")  # an empty string is left out of the config's JSON
+              for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+    p = Path(params["engines"])
+    params["engines"] = str(p if p.is_absolute() else (Path(args["model_repository"]).parent / p).resolve())
+    return params
+
+
+def instance_device(device: str, args: Mapping[str, str]) -> str | None:
+    """The device engine's device for a Triton model instance: the config's `device` ("": the build's ONNX Runtime
+    engines), with cuda made this instance's GPU (a KIND_GPU group places one instance per listed GPU)."""
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', 0)}"
+    return device or None
+
+
+def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
+    """The tokenizer of the engines a Triton python model's config names."""
+    from spork_trt.checkpoint import manifest as mf
+
+    engines = Path(model_parameters(args)["engines"])
+    cfg = mf.spec_config(mf.read(engines)["model"])
+    return load_tokenizer(engines, "hf", cfg.eos_token_ids)
+
+
+def model_text_limit(args: Mapping[str, str], tok: Tokenizer) -> int:
+    """text_limit for the model window of the engines a Triton python model's config names."""
+    from spork_trt.checkpoint import manifest as mf
+
+    return text_limit(tok, mf.spec_config(mf.read(Path(model_parameters(args)["engines"]))["model"]).max_seq_len)

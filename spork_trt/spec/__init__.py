@@ -1,0 +1,1 @@
+"""Speculation: token trees, drafters, the datastore, the early-layer verifier, verification, the scheduler."""
