@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from spork_trt.errors import FieldError
+from spork_trt.errors import FieldError, UserError
 
 from spork_trt.draft_kinds import NGRAM, default_shape, tree_room
 
@@ -24,8 +24,46 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """What a family's decoder does beyond Llama's (read from the checkpoint: checkpoint/families.py). Every engine
+    reads this one description; an engine that lacks one of its `features` refuses the checkpoint in one line naming
+    it (require). The defaults are Llama's."""
+
+    family: str = "llama"  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "phi3"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too, before each residual add (Gemma 3)
+    activation: str = "silu"  # the MLP gate's: "silu" | "gelu_tanh" (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(C) (Gemma)
+    query_scale: float = 0.0  # the attention scores' scale; 0: 1 / sqrt(D) (Gemma 3: query_pre_attn_scalar ** -0.5)
+    sliding_window: int = 0  # a windowed layer's query attends keys fewer than this many positions back; 0: none
+    windowed: tuple[int, ...] = ()  # the layers with the sliding window (local layers)
+    local_rope_theta: float = 0.0  # the windowed layers' rope base (Gemma 3); 0: the model's rope_theta
+    final_softcap: float = 0.0  # logits = c tanh(logits / c) (0: none)
+
+    def features(self) -> tuple[str, ...]:
+        """What this family needs beyond Llama's decoder, by name."""
+        have = (("q/k/v biases", self.qkv_bias), ("q/k norms", self.qk_norm),
+                ("post-attention and post-MLP norms", self.sandwich_norms),
+                ("a GELU-tanh MLP", self.activation != "silu"), ("scaled embeddings", self.embed_scale),
+                ("a query scale", self.query_scale != 0.0),
+                ("sliding-window attention", self.sliding_window != 0 and bool(self.windowed)),
+                ("per-layer rope bases", self.local_rope_theta != 0.0), ("a logit soft-cap", self.final_softcap != 0))
+        return tuple(name for name, used in have if used)
+
+    def require(self, supported: frozenset[str], engine: str, fix: str) -> None:
+        """Refuse in one line what `engine` cannot run of this family: the features it lacks, and `fix`."""
+        lacks = [f for f in self.features() if f not in supported]
+        if lacks:
+            raise UserError(f"{engine} cannot run a {self.family} checkpoint: it lacks {', '.join(lacks)}; {fix}")
+
+
+LLAMA = Architecture()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder."""
+    """Shape of a decoder of one of the supported families (`arch`: what it does beyond Llama's)."""
 
     vocab_size: int
     dim: int  # hidden size
@@ -41,6 +79,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    arch: Architecture = LLAMA
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

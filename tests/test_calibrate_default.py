@@ -59,10 +59,10 @@ def generate_json(engines, prompt: str, *flags: str) -> dict:
 def test_verifier_on_is_lossless_and_gate_mode_is_marked_lossy(calibrated, prompt):
     calibrated, _ = calibrated
     plain = generate_json(calibrated, prompt, "--mode", "plain", "--dtype", "fp32")  # the verifier's target: ONNX
-    scored = generate_json(calibrated, prompt, "--verifier", "on")  # picks the ONNX target (the verifier reads it)
+    scored = generate_json(calibrated, prompt, "--verifier", "on", "--dtype", "fp32")  # the verifier reads its cache
     assert scored["token_ids"] == plain["token_ids"]
     assert scored["stats"]["scored_steps"] > 0
-    gate = generate_json(calibrated, prompt, "--mode", "gate", "--tau", "0.5")
+    gate = generate_json(calibrated, prompt, "--mode", "gate", "--tau", "0.5", "--dtype", "fp32")
     assert gate["token_ids"] and gate["stats"]["scored_steps"] > 0 and "gated_tokens" in gate["stats"]
 
 
@@ -71,16 +71,17 @@ def test_a_head_scores_only_the_drafter_it_was_fitted_on(calibrated):
     auto runs without scoring, a forced verifier says which calibration to run."""
     calibrated, _ = calibrated
     prompt = "Name three rivers."
-    auto = generate_json(calibrated, prompt, "--draft", "self-int8")
+    auto = generate_json(calibrated, prompt, "--draft", "self-int8", "--dtype", "fp32")
     assert auto["stats"]["scored_steps"] == 0
     r = cli("-m", "spork_trt", "generate", prompt, "--engines", str(calibrated), "--draft", "self-int8",
-            "--verifier", "on")
+            "--verifier", "on", "--dtype", "fp32")
     assert r.returncode == 2 and "export calibrate --draft self-int8" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_gate_and_forced_verifier_need_a_head(default_engines):
     assert not list(default_engines.glob(HEAD_GLOB))  # `export build` writes no head; calibrate runs on a copy
-    r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate", "--tau", "0.5")
+    r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate", "--tau", "0.5",
+            "--dtype", "fp32")
     assert r.returncode == 2 and "export calibrate" in r.stderr and "Traceback" not in r.stderr
     r = cli("-m", "spork_trt", "generate", "hi", "--engines", str(default_engines), "--mode", "gate")
     assert r.returncode == 2 and "--tau" in r.stderr

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from spork_trt import atomic
-from spork_trt.config import ModelConfig, RopeScaling
+from spork_trt.config import Architecture, ModelConfig, RopeScaling
 from spork_trt.errors import UserError
 
 FORMAT_VERSION = 1
@@ -50,12 +50,14 @@ def tool_versions() -> dict[str, str]:
 
 def model_spec(cfg: ModelConfig) -> dict:
     d = asdict(cfg)
-    d["family"] = "llama"
+    d["family"] = cfg.arch.family
     return d
 
 
 def spec_config(d: dict) -> ModelConfig:
     d = {k: v for k, v in d.items() if k != "family"}
+    if d.get("arch"):
+        d["arch"] = Architecture(**{**d["arch"], "windowed": tuple(d["arch"].get("windowed", ()))})
     if d.get("rope_scaling"):
         rs = dict(d["rope_scaling"])
         rs["factors"] = tuple(rs.get("factors", ()))

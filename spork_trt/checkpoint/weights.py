@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spork_trt.config import ModelConfig, RopeScaling
-from spork_trt.errors import UserError
+from spork_trt.checkpoint.families import GGUF_PERMUTED_QK, gguf_architecture, hf_architecture, hf_rope
 from spork_trt.checkpoint.transformer import Transformer
+from spork_trt.config import Architecture, ModelConfig, RopeScaling
+from spork_trt.errors import UserError
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -31,6 +32,7 @@ class Entry:
     gguf: str
     shape: Callable[[ModelConfig], tuple[int, ...]]
     rope_heads: Callable[[ModelConfig], int] | None = None  # GGUF Q/K rows are permuted per head (llama.cpp)
+    when: Callable[[Architecture], bool] = lambda arch: True  # the families that have this tensor
 
 
 LAYOUT = (
@@ -51,7 +53,24 @@ LAYER_LAYOUT = (
     Entry("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
           lambda c: (c.dim, c.n_heads * c.head_dim)),
     Entry("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight",
-          "blk.{i}.ffn_norm.weight", lambda c: (c.dim,)),
+          "blk.{i}.ffn_norm.weight", lambda c: (c.dim,), when=lambda a: not a.sandwich_norms),
+    # Gemma: its post_attention_layernorm is the norm after attention, the MLP's own is pre_feedforward_layernorm
+    Entry("layers.{i}.mlp_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight",
+          "blk.{i}.ffn_norm.weight", lambda c: (c.dim,), when=lambda a: a.sandwich_norms),
+    Entry("layers.{i}.post_attn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight",
+          "blk.{i}.post_attention_norm.weight", lambda c: (c.dim,), when=lambda a: a.sandwich_norms),
+    Entry("layers.{i}.post_mlp_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight",
+          "blk.{i}.post_ffw_norm.weight", lambda c: (c.dim,), when=lambda a: a.sandwich_norms),
+    Entry("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight",
+          lambda c: (c.head_dim,), when=lambda a: a.qk_norm),
+    Entry("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
+          lambda c: (c.head_dim,), when=lambda a: a.qk_norm),
+    Entry("layers.{i}.attn.wq.bias", "model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias",
+          lambda c: (c.n_heads * c.head_dim,), when=lambda a: a.qkv_bias),
+    Entry("layers.{i}.attn.wk.bias", "model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias",
+          lambda c: (c.n_kv_heads * c.head_dim,), when=lambda a: a.qkv_bias),
+    Entry("layers.{i}.attn.wv.bias", "model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias",
+          lambda c: (c.n_kv_heads * c.head_dim,), when=lambda a: a.qkv_bias),
     Entry("layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight",
           lambda c: (c.ffn_dim, c.dim)),
     Entry("layers.{i}.mlp.up.weight", "model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight",
@@ -80,8 +99,36 @@ def entries(cfg: ModelConfig) -> list[tuple[Entry, str, str, str]]:
     if not cfg.tie_embeddings:
         out.append((HEAD, HEAD.ours, HEAD.hf, HEAD.gguf))
     for i in range(cfg.n_layers):
-        out += [(e, e.ours.format(i=i), e.hf.format(i=i), e.gguf.format(i=i)) for e in LAYER_LAYOUT]
+        out += [(e, e.ours.format(i=i), e.hf.format(i=i), e.gguf.format(i=i)) for e in LAYER_LAYOUT
+                if e.when(cfg.arch)]
     return out
+
+
+# Phi-3 stores q, k and v as one matrix and gate and up as another: split at load into the names above
+FUSED = (("model.layers.{i}.self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight",
+          ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+           "model.layers.{i}.self_attn.v_proj.weight"), ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight",
+                                                         "blk.{i}.attn_v.weight"),
+          lambda c: (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim)),
+         ("model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight",
+          ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+          ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"), lambda c: (c.ffn_dim, c.ffn_dim)))
+
+
+def unfuse(cfg: ModelConfig, tensors: dict[str, torch.Tensor], kind: str) -> None:
+    """Split fused q/k/v and gate/up matrices (Phi-3's) in place into the separate tensors LAYOUT names; a GGUF
+    `ffn_up` of 2F rows is gate and up fused, one of F rows is up alone."""
+    hf = kind == "hf"
+    for fused, fused_gguf, parts, parts_gguf, rows in FUSED:
+        for i in range(cfg.n_layers):
+            name = (fused if hf else fused_gguf).format(i=i)
+            t = tensors.get(name)
+            if t is None or t.shape[0] != sum(rows(cfg)) or (not hf and fused_gguf.endswith("ffn_up.weight")
+                                                             and f"blk.{i}.ffn_gate.weight" in tensors):
+                continue
+            del tensors[name]
+            for part, chunk in zip(parts if hf else parts_gguf, t.split(rows(cfg))):
+                tensors[part.format(i=i)] = chunk
 
 
 def default_gguf_path() -> Path:
@@ -124,18 +171,21 @@ def random_checkpoint(cfg: ModelConfig, seed: int = 0, scale: float = 1.0) -> Ch
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path, kind: str) -> Transformer:
     """Map file tensors onto our names with strict shape checks; every file tensor must be consumed."""
     remaining = dict(tensors)
+    unfuse(cfg, remaining, kind)
     state: dict[str, torch.Tensor] = {}
+    # Gemma's Hugging Face norms store w - 1 (it computes x (1 + w)); llama.cpp's converter stores w
+    norm_offset = 1.0 if kind == "hf" and cfg.arch.family == "gemma3" else 0.0
     for entry, ours, hf, gg in entries(cfg):
         name = hf if kind == "hf" else gg
         if name not in remaining:
-            raise UserError(f"{path}: tensor {name} is missing: this is not a complete Llama-family checkpoint")
+            raise UserError(f"{path}: tensor {name} is missing: this is not a complete {cfg.arch.family} checkpoint")
         t = remaining.pop(name)
         want = entry.shape(cfg)
         if tuple(t.shape) != want:
             raise UserError(f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {want} from the config")
-        if kind == "gguf" and entry.rope_heads is not None:
+        if kind == "gguf" and entry.rope_heads is not None and cfg.arch.family in GGUF_PERMUTED_QK:
             t = unpermute_rope(t, entry.rope_heads(cfg))
-        state[ours] = t.float()
+        state[ours] = t.float() + norm_offset if ours.endswith("norm.weight") else t.float()
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
         extra = remaining.pop(HEAD.hf if kind == "hf" else HEAD.gguf, None)
@@ -186,22 +236,22 @@ def read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def hf_config(raw: dict, where: Path) -> ModelConfig:
-    if raw.get("model_type") != "llama":
-        raise UserError(f"{where}: model_type {raw.get('model_type')!r} is not supported (Llama family only)")
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise UserError(f"{where}: attention/MLP biases are not supported")
-    rope = raw.get("rope_parameters") or {}
+    arch = hf_architecture(raw, where)
+    rope = hf_rope(raw)
     scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if isinstance(scaling, dict) and isinstance(scaling.get("full_attention"), dict):  # per layer kind
+        scaling = scaling["full_attention"] if scaling["full_attention"].get("rope_type", "default") != "default" \
+            else None
     eos = raw.get("eos_token_id")
     heads = raw["num_attention_heads"]
     return ModelConfig(
         vocab_size=raw["vocab_size"], dim=raw["hidden_size"], n_layers=raw["num_hidden_layers"], n_heads=heads,
         n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_dim=raw["intermediate_size"],
         head_dim=raw.get("head_dim") or 0, norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rope_scaling=hf_rope_scaling(scaling, where), max_seq_len=raw.get("max_position_embeddings", 2048),
         tie_embeddings=raw.get("tie_word_embeddings", False), bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)), arch=arch,
     )
 
 
@@ -242,9 +292,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = gguf_reader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (Llama family only)")
+    gguf_architecture(meta.get("general.architecture"), {}, 0, 2, path)  # before any weight is read
     tensors = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -256,28 +304,31 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def gguf_config(meta: dict, reader, tensors: dict[str, torch.Tensor], path: Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+
     def get(key, default=None):
-        v = meta.get(f"llama.{key}", default)
+        v = meta.get(f"{arch}.{key}", default)
         if v is None:
-            raise UserError(f"{path}: GGUF metadata llama.{key} is missing")
+            raise UserError(f"{path}: GGUF metadata {arch}.{key} is missing")
         return v
 
     heads = int(get("attention.head_count"))
     dim = int(get("embedding_length"))
     tok = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(meta.get("llama.vocab_size") or (len(tok.data) if tok is not None else 0))
+    vocab = int(meta.get(f"{arch}.vocab_size") or (len(tok.data) if tok is not None else 0))
     factors = tensors.pop(ROPE_FREQS, None)
     scaling = None
     if factors is not None:
         scaling = RopeScaling("factors", 1.0, factors=tuple(float(x) for x in factors.flatten()))
-    elif meta.get("llama.rope.scaling.type") == "linear":
-        scaling = RopeScaling("linear", float(meta["llama.rope.scaling.factor"]))
+    elif meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    n_layers, head_dim = int(get("block_count")), int(meta.get(f"{arch}.attention.key_length") or dim // heads)
     return ModelConfig(
-        vocab_size=vocab, dim=dim, n_layers=int(get("block_count")), n_heads=heads,
-        n_kv_heads=int(meta.get("llama.attention.head_count_kv") or heads), ffn_dim=int(get("feed_forward_length")),
-        head_dim=int(meta.get("llama.attention.key_length") or dim // heads),
+        vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=heads,
+        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), ffn_dim=int(get("feed_forward_length")),
+        head_dim=head_dim, arch=gguf_architecture(arch, meta, n_layers, head_dim, path),
         norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling, max_seq_len=int(get("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,

@@ -147,6 +147,7 @@ class Bucket:
 class DeviceEngine(Engine):
     def __init__(self, model: Transformer, device: str = "cuda", dtype: str = DEVICE_DTYPE, taps: tuple[int, ...] = (),
                  graphs: bool | None = None, lookahead: int = LOOKAHEAD) -> None:
+        model.cfg.arch.require(frozenset(), "the device engine", "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)")
         self.device = require_device(device)
         if dtype not in DTYPES:
             raise UserError(f"--dtype {dtype}: use {', '.join(DTYPES)}")

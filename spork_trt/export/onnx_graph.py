@@ -29,11 +29,15 @@ def example_inputs(model: Transformer, n_layers: int, attention: str, past: int 
     return (ids, pos, mask, rows, *kv)
 
 
+REFERENCE_FIX = "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)"
+
+
 def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps: tuple[int, ...] = (),
                 attention: str = io_spec.GQA) -> Path:
     """Write `out` (.onnx) with its weights in `out`.data; returns the path. `taps`: also output the hidden states
     after these layers (io_spec.HIDDEN: the learned draft head's features). `attention`: io_spec.GQA (ONNX Runtime
     CPU) or io_spec.PLAIN (standard ops only: TensorRT, ONNX Runtime's GPU providers)."""
+    model.cfg.arch.require(frozenset(), "the ONNX export (export build)", REFERENCE_FIX)  # lean.py is Llama's
     n = model.cfg.n_layers if n_layers is None else n_layers
     ins, outs = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, taps, attention)
     return write_graph(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),

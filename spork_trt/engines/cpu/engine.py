@@ -177,9 +177,13 @@ def window_members(slots: list[int], pad: bool = True) -> list[int | None]:
     return [by_slot.get(s) for s in range(slots[order[0]], slots[order[0]] + span)]
 
 
+FEATURES: frozenset[str] = frozenset()  # beyond Llama's decoder (config.Architecture.features): none yet
+
+
 def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
     """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, its Q8_0 LM head,
     or the embedding it is tied to, on its own blocks where spork's kernels are built, the rest bf16)."""
+    ck.cfg.arch.require(FEATURES, "the CPU torch engine", "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)")
     if dtype != "int4":
         return OneDnnEngine(ck.model, taps)
     kept = blocks_by_parameter(ck, (*INT4_KINDS, "Q8_0"))

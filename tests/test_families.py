@@ -1,0 +1,125 @@
+"""Families as data, checked against transformers, not ourselves: for each family a tiny random-weight model made
+with transformers' own config and model classes, saved as safetensors, loaded by our loader into our reference
+model: the same logits (fp32, within TOL) and the same greedy tokens (16 prompts x 64 tokens), and spork == plain
+on the reference engine. Engines that lack a family's features refuse it in one line."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spork_trt.checkpoint.weights import load_checkpoint
+from spork_trt.config import GenerateConfig, SpecConfig
+from spork_trt.errors import UserError
+
+TOL = 2e-4  # max |ours - transformers| over logits of magnitude ~1-10, fp32 (both sum in a different order)
+VOCAB = 512
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def family_configs():
+    import transformers as tf
+
+    return {
+        "llama": tf.LlamaConfig(**SHAPE),
+        "mistral": tf.MistralConfig(**SHAPE, sliding_window=24),
+        "qwen2": tf.Qwen2Config(**SHAPE),
+        "qwen3": tf.Qwen3Config(**SHAPE, head_dim=16),
+        "gemma3": tf.Gemma3TextConfig(**SHAPE, head_dim=16, sliding_window=24, query_pre_attn_scalar=12,
+                                      layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                   "sliding_attention"],
+                                      rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0},
+                                                       "full_attention": {"rope_type": "default",
+                                                                          "rope_theta": 1000000.0}}),
+        "phi3": tf.Phi3Config(**SHAPE),
+    }
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, its safetensors folder)."""
+    import transformers as tf
+
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.weights import default_gguf_path
+
+    tok = load_tokenizer(default_gguf_path(), "gguf")  # any tokenizer: the prompts are token ids below VOCAB
+    out = {}
+    for name, cfg in family_configs().items():
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():  # norms and biases off their trivial init: a loader that drops them fails here
+            for pname, p in model.named_parameters():
+                if "norm" in pname or pname.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.2)
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d, safe_serialization=True)
+        tok.save(d)
+        out[name] = (model, d)
+    return out
+
+
+def prompts(n: int = 16) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_our_reference_model_computes_transformers_logits(checkpoints, family):
+    ref, d = checkpoints[family]
+    ours = load_checkpoint(d).model
+    assert ours.cfg.arch.family == family
+    ids = torch.tensor([prompts(1)[0] * 2])  # [1, T]: long enough to cross Mistral's and Gemma's 24-token window
+    t = ids.shape[1]
+    from spork_trt.checkpoint.transformer import causal_mask
+
+    with torch.no_grad():
+        want = ref(ids).logits  # [1, T, V]
+        got = ours(ids, torch.arange(t)[None], causal_mask(0, t)).logits
+    assert t > 24 and (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_are_transformers_and_spork_is_plain(checkpoints, family):
+    from spork_trt.loop.runtime import Runtime
+
+    ref, d = checkpoints[family]
+    rt = Runtime.load(d)
+    cfg = GenerateConfig(max_new_tokens=64)
+    for p in prompts():
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
+                                pad_token_id=0)[0, len(p):].tolist()
+        plain = rt.generate(p, cfg, mode="plain").token_ids
+        spork = rt.generate(p, cfg, mode="spork", spec=SpecConfig.for_draft("self-int8")).token_ids
+        # ours stops at the tokenizer's end-of-text token (the default model's, in this vocabulary); transformers,
+        # with no eos in the config, runs on
+        assert plain == want[:len(plain)] and (len(plain) == 64 or want[len(plain)] in rt.tokenizer.eos_ids), (family, p)
+        assert spork == plain, (family, p)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_engines_without_a_familys_features_refuse_it_in_one_line(checkpoints, family):
+    from spork_trt.export.onnx_graph import export_onnx
+
+    ck = load_checkpoint(checkpoints[family][1])
+    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks .*--dtype fp32") as e:
+        export_onnx(ck.model, checkpoints[family][1] / "never.onnx")
+    assert "\n" not in str(e.value)
+    from spork_trt.engines.cpu.engine import cpu_target
+
+    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks "):
+        cpu_target(ck, "bf16")
+
+
+def test_an_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
+    with pytest.raises(UserError, match=r"model_type 'falcon' is not supported \(supported: gemma3_text, llama, "
+                                        r"mistral, phi3, qwen2, qwen3\)"):
+        load_checkpoint(tmp_path)
