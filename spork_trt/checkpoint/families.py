@@ -98,3 +98,14 @@ def gguf_architecture(arch: str, meta: dict, n_layers: int, head_dim: int, path:
         raise UserError(f"{path}: attention logit soft-capping is not supported")
     return Architecture(family=arch, sliding_window=window if windowed else 0, windowed=windowed if window else (),
                         final_softcap=softcap, **fields)
+
+
+def gguf_features(path: Path) -> tuple[str, ...]:
+    """What a GGUF file's family needs beyond Llama's decoder (Architecture.features), from its metadata alone."""
+    from spork_trt.checkpoint.weights import gguf_reader
+
+    fields = gguf_reader(path).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    meta = {k: f.contents() for k, f in fields.items() if k.startswith(f"{arch}.")}
+    n_layers = int(meta.get(f"{arch}.block_count") or 1)
+    return gguf_architecture(arch, meta, n_layers, 2, path).features()

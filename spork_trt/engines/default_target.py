@@ -56,6 +56,16 @@ def has_int4_blocks(gguf: Path) -> bool:
     return any(t.tensor_type.name in INT4_KINDS for t in gguf_reader(gguf).tensors)
 
 
+def tensor_types(gguf: Path) -> list[str]:
+    """The GGUF tensor types of a file's matrices, most common first."""
+    from collections import Counter
+
+    from spork_trt.checkpoint.weights import gguf_reader
+
+    counts = Counter(t.tensor_type.name for t in gguf_reader(gguf).tensors if len(t.shape) >= 2)
+    return [name for name, _ in counts.most_common()]
+
+
 def only_kernel_blocks(gguf: Path) -> bool:
     """Whether every matrix of a GGUF file is a Q4_0 / Q4_1 block weight, or the embedding / LM head in Q8_0: all
     the int4 CPU engine then runs is spork's kernels (no oneDNN bf16 weight left: an AVX2 CPU runs it)."""
@@ -72,8 +82,19 @@ def choose(precision: str, checkpoint: Path | None) -> Target:
     host (the module doc's rule)."""
     if precision != "fp32":
         return Target(ONNX, precision, f"the build's --precision {precision}")
-    if checkpoint is None or checkpoint.suffix.lower() != ".gguf" or not has_int4_blocks(checkpoint):
-        return Target(ONNX, "fp32", "the checkpoint has no 4-bit blocks for the int4 CPU engine")
+    if checkpoint is None or checkpoint.suffix.lower() != ".gguf":
+        return Target(ONNX, "fp32", "the checkpoint is not a GGUF file with 4-bit blocks for the int4 CPU engine")
+    from spork_trt.engines.cpu.engine import FEATURES
+    from spork_trt.checkpoint.families import gguf_features
+
+    lacks = [f for f in gguf_features(checkpoint) if f not in FEATURES]
+    if lacks:
+        return Target(ONNX, "fp32", f"the int4 CPU engine lacks {', '.join(lacks)} for this checkpoint's family")
+    if not has_int4_blocks(checkpoint):
+        from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
+
+        return Target(ONNX, "fp32", f"the checkpoint has no {'/'.join(INT4_KINDS)} blocks for the int4 CPU engine "
+                      f"(its types: {', '.join(tensor_types(checkpoint))})")
     from spork_trt.engines.cpu import kernels as int4_kernel
     from spork_trt.engines.cpu.engine import onednn_bf16_available
 
