@@ -72,4 +72,6 @@ def test_generate_names_the_target_it_chose(default_engines):
     assert len(lines) == 1
     assert ("int4 on the CPU torch engine" in lines[0]) == fast and auto.stderr.startswith(
         "[spork/torch-cpu-int4]" if fast else "[spork/onnx]")
-    assert onnx.stderr.startswith("[spork/onnx]") and "[generate] target: " not in onnx.stderr
+    assert onnx.stderr.startswith("[spork/onnx]")  # --dtype given: the target named, without auto's reason
+    assert [line for line in onnx.stderr.splitlines() if line.startswith("[generate] target: ")] == [
+        "[generate] target: fp32 on the ONNX Runtime"]

@@ -92,12 +92,13 @@ def test_greedy_tokens_are_transformers_and_spork_is_plain(checkpoints, family):
     ref, d = checkpoints[family]
     rt = Runtime.load(d)
     cfg = GenerateConfig(max_new_tokens=64)
-    for p in prompts():
+    for i, p in enumerate(prompts()):
         with torch.no_grad():
             want = ref.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, min_new_tokens=64,
                                 pad_token_id=0)[0, len(p):].tolist()
         plain = rt.generate(p, cfg, mode="plain").token_ids
-        spork = rt.generate(p, cfg, mode="spork", spec=SpecConfig.for_draft("self-int8")).token_ids
+        draft = "self-int8" if i < 2 else "ngram"  # a model drafter's chains on two prompts, n-gram trees on the rest
+        spork = rt.generate(p, cfg, mode="spork", spec=SpecConfig.for_draft(draft)).token_ids
         # ours stops at the tokenizer's end-of-text token (the default model's, in this vocabulary); transformers,
         # with no eos in the config, runs on
         assert plain == want[:len(plain)] and (len(plain) == 64 or want[len(plain)] in rt.tokenizer.eos_ids), (family, p)
