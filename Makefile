@@ -31,8 +31,21 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 # the layers first (pyproject.toml's import-linter contracts): a wrong import fails in seconds, before the tests
+# llama.cpp's own GGUF converter (convert_hf_to_gguf.py, its conversion/ and gguf-py/), unpacked from the llama.cpp source
+# that llama-cpp-python's sdist vendors: tests/test_families.py converts transformers' tiny models with it
+LLAMA_CONVERT := .cache/llama-convert/llama.cpp/convert_hf_to_gguf.py
+
+$(LLAMA_CONVERT): | setup
+	rm -rf .cache/llama-convert .cache/llama-convert.tmp && mkdir -p .cache/llama-convert.tmp
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: llama-cpp-python==0.3.36 \
+	  -d .cache/llama-convert.tmp
+	tar xzf .cache/llama-convert.tmp/llama_cpp_python-0.3.36.tar.gz -C .cache/llama-convert.tmp --strip-components=2 \
+	  --wildcards 'llama_cpp_python-0.3.36/vendor/llama.cpp/conversion/*' 'llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py/*' \
+	  'llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE' --no-wildcards-match-slash 'llama_cpp_python-0.3.36/vendor/llama.cpp/*.py'
+	rm .cache/llama-convert.tmp/llama_cpp_python-0.3.36.tar.gz && mv .cache/llama-convert.tmp .cache/llama-convert
+
 # --durations: the 20 slowest tests at the end of every run, CI's log included (the suite must stay under 30 minutes)
-test: setup
+test: setup $(LLAMA_CONVERT)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=20
 

@@ -4,6 +4,9 @@ model: the same logits (fp32, within TOL) and the same greedy tokens (16 prompts
 on the reference engine. Engines that lack a family's features refuse it in one line."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import UserError
 
 TOL = 2e-4  # max |ours - transformers| over logits of magnitude ~1-10, fp32 (both sum in a different order)
-VOCAB = 512
+VOCAB = 49152  # the default tokenizer's: llama.cpp's converter needs the model to cover the tokenizer
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -26,9 +29,11 @@ def family_configs():
         "mistral": tf.MistralConfig(**SHAPE, sliding_window=24),
         "qwen2": tf.Qwen2Config(**SHAPE),
         "qwen3": tf.Qwen3Config(**SHAPE, head_dim=16),
-        "gemma3": tf.Gemma3TextConfig(**SHAPE, head_dim=16, sliding_window=24, query_pre_attn_scalar=12,
-                                      layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                                   "sliding_attention"],
+        # Gemma 3's own conventions, which llama.cpp assumes of a GGUF: one global layer in six, queries scaled by
+        # 1 / sqrt(head_dim)
+        "gemma3": tf.Gemma3TextConfig(**(SHAPE | {"num_hidden_layers": 6}), head_dim=16, sliding_window=24,
+                                      query_pre_attn_scalar=16,
+                                      layer_types=["sliding_attention"] * 5 + ["full_attention"],
                                       rope_parameters={"sliding_attention": {"rope_type": "default",
                                                                              "rope_theta": 10000.0},
                                                        "full_attention": {"rope_type": "default",
@@ -103,6 +108,72 @@ def test_greedy_tokens_are_transformers_and_spork_is_plain(checkpoints, family):
         # with no eos in the config, runs on
         assert plain == want[:len(plain)] and (len(plain) == 64 or want[len(plain)] in rt.tokenizer.eos_ids), (family, p)
         assert spork == plain, (family, p)
+
+
+CONVERTER = Path(__file__).resolve().parents[1] / ".cache" / "llama-convert" / "llama.cpp" / "convert_hf_to_gguf.py"
+SPM_FAMILIES = {"qwen2", "phi3"}  # llama.cpp's converter wants a SentencePiece tokenizer.model for these here
+
+
+def sentencepiece_model(path: Path) -> Path:
+    """A small BPE SentencePiece model trained on MT-bench's questions (the tokenizer only has to convert)."""
+    import io
+
+    import sentencepiece as spm
+
+    from spork_trt.prompts import load_prompts
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([r["prompt"] for r in load_prompts("mt_bench")]),
+                                   model_writer=buf, vocab_size=400, model_type="bpe", character_coverage=1.0,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_files(checkpoints, tmp_path_factory):
+    """family -> the GGUF (f32) llama.cpp's own converter writes from that family's transformers model."""
+    import shutil
+    import subprocess
+    import sys
+
+    assert CONVERTER.is_file(), f"{CONVERTER} is missing: `make test` unpacks llama.cpp's converter first"
+    root = tmp_path_factory.mktemp("gguf")
+    spm_file = sentencepiece_model(root / "tokenizer.model")
+    llama_cpp = CONVERTER.parent
+    env = {**os.environ, "PYTHONPATH": f"{llama_cpp / 'gguf-py'}{os.pathsep}{llama_cpp}"}  # its own gguf-py
+    out = {}
+    for family, (_, d) in checkpoints.items():
+        src = root / family
+        src.mkdir()
+        for f in ("config.json", "model.safetensors"):
+            shutil.copyfile(d / f, src / f)
+        if family in SPM_FAMILIES:
+            shutil.copyfile(spm_file, src / "tokenizer.model")
+        else:
+            for f in d.glob("tokenizer*"):
+                shutil.copyfile(f, src / f.name)
+        r = subprocess.run([sys.executable, str(CONVERTER), str(src), "--outfile", str(root / f"{family}.gguf"),
+                            "--outtype", "f32"], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[family] = root / f"{family}.gguf"
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpps_gguf_of_each_family_loads_to_transformers_logits(checkpoints, gguf_files, family):
+    """The GGUF names, Q/K layouts, fused tensors and implicit settings of each family, as llama.cpp writes them.
+    Mistral's file is a `llama` GGUF without its window (llama.cpp runs it without one): compared within it."""
+    ref, _ = checkpoints[family]
+    ck = load_checkpoint(gguf_files[family])
+    t = 20 if family == "mistral" else 50
+    ids = torch.randint(0, 400, (1, t), generator=torch.Generator().manual_seed(2))  # [1, T]
+    from spork_trt.checkpoint.transformer import causal_mask
+
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ck.model(ids, torch.arange(t)[None], causal_mask(0, t)).logits
+    assert (got - want).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])

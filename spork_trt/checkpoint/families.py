@@ -32,7 +32,7 @@ GGUF_FAMILIES = {  # general.architecture -> the same
 }
 GGUF_PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes these families' Q/K rows (the rest are NEOX-style)
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's gemma3 loader: layers 6, 12, ... (1-based) attend globally, the rest locally
-GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's gemma3 loader: the local layers' rope base (GGUF has no key for it)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's gemma3 loader: the local layers' rope base where the file has none
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -88,11 +88,16 @@ def gguf_architecture(arch: str, meta: dict, n_layers: int, head_dim: int, path:
                         f"{supported(GGUF_FAMILIES)})")
     fields = dict(GGUF_FAMILIES[arch])
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
-    if arch == "gemma3":
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")  # per layer, where the converter wrote one
+    if isinstance(pattern, list):
+        windowed = tuple(i for i, local in enumerate(pattern) if local)
+    elif arch == "gemma3":
         windowed = tuple(i for i in range(n_layers) if (i + 1) % GEMMA3_GLOBAL_EVERY)
-        fields.update(local_rope_theta=GEMMA3_LOCAL_ROPE_THETA, query_scale=head_dim ** -0.5)
     else:
         windowed = tuple(range(n_layers)) if window else ()
+    if arch == "gemma3":  # llama.cpp scales Gemma 3's queries by 1 / sqrt(D) (all but the 27B's)
+        fields.update(local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_THETA),
+                      query_scale=head_dim ** -0.5)
     softcap = float(meta.get(f"{arch}.final_logit_softcapping") or 0.0)
     if meta.get(f"{arch}.attn_logit_softcapping"):
         raise UserError(f"{path}: attention logit soft-capping is not supported")
