@@ -7,6 +7,7 @@ import sys
 
 from spork_trt.config import CPU_TORCH_DTYPES
 from spork_trt.errors import UserError
+from spork_trt.serving.openai_api.server import FrontConfig
 
 SERVE_EXAMPLES = """examples:
   python -m spork_trt serve                                   # engines/default/triton_repo on 127.0.0.1:8000/8001
@@ -52,6 +53,8 @@ def add_serving_commands(sub) -> None:
                    help="the OpenAI-compatible API (/v1/chat/completions, ...) on --host (default: %(default)s; 0: off)")
     s.add_argument("--openai-model", default=None, metavar="NAME",
                    help="the model name the OpenAI API serves (default: the build's checkpoint name)")
+    s.add_argument("--max-body-bytes", type=int, default=FrontConfig.max_body_bytes, metavar="N",
+                   help="the OpenAI API refuses a larger request body while reading it, 413 (default: %(default)s)")
     s.add_argument("--log", default=None, help="server log file (default: next to the repository; the previous "
                    "one is kept as LOG.1)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -115,7 +118,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from spork_trt.serving.openai_api.server import FrontConfig, OpenAIServer, refuse_port_in_use
+    from spork_trt.serving.openai_api.server import OpenAIServer, refuse_port_in_use
     from spork_trt.serving.replicas import ReplicaSet
     from spork_trt.serving.triton_server import ServerConfig, TritonServer
     from spork_trt.serving.triton_repo import RepoConfig, ensure_rendered, is_rendered
@@ -123,6 +126,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.verify and a.repo:
         raise UserError("--verify checks the build of --engines before rendering its repository: drop --repo (or "
                         "check a build with `python -m export inspect DIR --verify`)")
+    if a.max_body_bytes <= 0:
+        raise UserError(f"--max-body-bytes must be positive, got {a.max_body_bytes}")
     if a.drain_timeout <= 0:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
     if not 0 <= a.openai_port < 65536:
@@ -141,7 +146,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     what = f"{a.replicas} tritonservers behind haproxy" if a.replicas != 1 else "tritonserver"
     print(f"starting {what} on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     server.start()
-    front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout))
+    front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout,
+                                     max_body_bytes=a.max_body_bytes))
     try:
         if a.openai_port:
             front.start()

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
-from spork_trt.serving.openai_api.errors import ApiError, bad_request
+from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
@@ -22,7 +22,22 @@ log = logging.getLogger("spork_trt.serving.openai_api")
 DISCONNECT_POLL_S = 0.5
 
 
-def create_app(model: ServedModel, grpc_url: str) -> FastAPI:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to pass `limit` bytes: by its Content-Length, else while it
+    streams in. Nothing past the limit is held."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int) -> FastAPI:
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -73,10 +88,13 @@ def create_app(model: ServedModel, grpc_url: str) -> FastAPI:
         return await complete(request, COMPLETION)
 
     async def complete(request: Request, kind: str):
+        raw = await read_body(request, max_body_bytes)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(raw)
+        except ValueError:  # not JSON, not UTF-8, an integer literal past Python's 4,300 digits
             raise bad_request(None, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise bad_request(None, "the request body nests arrays or objects too deeply") from None
         job = parse_job(body, kind, model)
         head = rs.Head.new(kind, model.name)
         stream = Stream(state["client"], job, model.tokenizer)

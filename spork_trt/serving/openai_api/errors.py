@@ -24,5 +24,10 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> Api
     return ApiError(400, message, param, code)
 
 
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)", None,
+                    "request_too_large")
+
+
 def unavailable(message: str, retry_after_s: int = 1) -> ApiError:
     return ApiError(503, message, None, "server_busy", "server_error", retry_after_s)

@@ -19,6 +19,7 @@ class FrontConfig:
     model_name: str | None = None  # None: the build's source checkpoint's name
     drain_timeout_s: float = 30.0  # on stop: in-flight answers get this long to finish (as Triton's drain)
     start_timeout_s: float = 30.0
+    max_body_bytes: int = 4 * 2**20  # a larger request body is refused while it is read (413)
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
@@ -46,7 +47,7 @@ class OpenAIServer:
 
         model = load_served_model(self.cfg.repo, self.cfg.model_name)
         self.model_name = model.name
-        config = uvicorn.Config(create_app(model, self.cfg.grpc_url), host=self.cfg.host, port=self.cfg.port,
+        config = uvicorn.Config(create_app(model, self.cfg.grpc_url, self.cfg.max_body_bytes), host=self.cfg.host, port=self.cfg.port,
                                 log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(self.cfg.drain_timeout_s)))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="openai-api", daemon=True)
