@@ -108,7 +108,7 @@ def test_two_replicas_share_the_load_and_one_killed_loses_no_request(default_eng
         while not re.search(r"replica r\d is serving again", (tmp_path / "launcher.err").read_text()):
             assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "launcher.err").read_text()
             time.sleep(0.5)
-        groups += [c.pid for c in psutil.Process(p.pid).children() if "server_guard" in " ".join(c.cmdline())
+        groups += [c.pid for c in psutil.Process(p.pid).children() if "triton_guard" in " ".join(c.cmdline())
                    and c.pid not in groups]
         assert len(groups) == 4
         time.sleep(2 * BalancerConfig.check_ms / 1000)  # haproxy's next health check marks it up

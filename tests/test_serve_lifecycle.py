@@ -65,7 +65,7 @@ def launch_all(engines: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.P
     while "ready:" not in (tmp_path / "launcher.err").read_text():
         assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.err").read_text()
         time.sleep(0.2)
-    guards = [c.pid for c in psutil.Process(p.pid).children() if "server_guard" in " ".join(c.cmdline())]
+    guards = [c.pid for c in psutil.Process(p.pid).children() if "triton_guard" in " ".join(c.cmdline())]
     return p, guards, ports
 
 

@@ -70,6 +70,6 @@ class CancelBoard:
         return left
 
     def path(self, key: str) -> Path:
-        if not KEY.fullmatch(key):  # checked at the edge (serve_request.cancel_key): a name inside root, always
+        if not KEY.fullmatch(key):  # checked at the edge (request_tensors.cancel_key): a name inside root, always
             raise ValueError("not a cancel key")
         return self.root / key

@@ -215,7 +215,7 @@ class Service:
         return ticket
 
     def control(self, inputs: Inputs) -> bool:
-        """A cancel (serve_request.is_cancel: cancel_key alone) is acted on here: the request carrying that key, on
+        """A cancel (request_tensors.is_cancel: cancel_key alone) is acted on here: the request carrying that key, on
         this instance or another, leaves at its next step (a key no request carries is swept later). False for a
         request: submit it."""
         if not is_cancel(inputs):

@@ -3,14 +3,14 @@
     clients --> haproxy (the public --http-port / --grpc-port) --> replica i: tritonserver on loopback ports of its own
 
 Each replica is a whole `serve` server (its own engine core and KV pool, closed model control, guarded by
-server_guard), on free loopback ports; haproxy (the Debian package, `make setup` installs it) is the only thing
+triton_guard), on free loopback ports; haproxy (the Debian package, `make setup` installs it) is the only thing
 on the public ports. It health-checks every replica's readiness (GET /v2/health/ready on its HTTP port, every
 `check_ms`): a replica that drains (SIGTERM: not ready at once), dies or hangs leaves the rotation after `fall`
 failed checks and comes back when ready. HTTP is balanced per request (least connections) and a request whose
 connection fails, or that is refused with 503 (a full queue, a draining replica), is sent to another replica
 (haproxy's L7 retries); gRPC (HTTP/2) is balanced per call, retried only when the connection fails. What haproxy
 cannot retry (a gRPC call refused UNAVAILABLE, a stream cut mid-way) the clients retry themselves, before the first
-token only (triton_client.py). haproxy runs under server_guard too: nothing outlives the launcher.
+token only (triton_client.py). haproxy runs under triton_guard too: nothing outlives the launcher.
 """
 from __future__ import annotations
 
