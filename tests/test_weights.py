@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from spork_trt.errors import UserError
 from spork_trt.checkpoint.transformer import causal_mask
 from spork_trt.checkpoint.weights import HEAD, LAYER_LAYOUT, LAYOUT, load_checkpoint, permute_rope, unpermute_rope
+from spork_trt.config import LLAMA
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -71,7 +72,7 @@ def write_gguf(path, hf_model, qtype=gguf.GGMLQuantizationType.F32, arch="llama"
     if not c.tie_word_embeddings:
         names.append((HEAD.hf, HEAD.gguf, None))
     for i in range(c.num_hidden_layers):
-        names += [(e.hf.format(i=i), e.gguf.format(i=i), e.rope_heads) for e in LAYER_LAYOUT]
+        names += [(e.hf.format(i=i), e.gguf.format(i=i), e.rope_heads) for e in LAYER_LAYOUT if e.when(LLAMA)]
     heads = {"q": c.num_attention_heads, "k": c.num_key_value_heads}
     for hf_name, gg_name, rope in names:
         t = sd[hf_name]

@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.wqkv: nn.Module | None = None  # an engine's fused q, k, v projection (engines/cpu/linears.py)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch.qk_norm else None  # [D]
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.arch.qk_norm else None  # [D]
-        self.scale = cfg.arch.query_scale or 1 / math.sqrt(cfg.head_dim)
+        self.query_scale = cfg.arch.query_scale  # 0: scores / sqrt(D), Llama's arithmetic as it always was
 
     def forward(self, x, cos, sin, bias, layer: int, kv: KVStore | None):
         # x [B, T, C]; cos, sin [B, 1, T, D]; bias [B, 1, 1, T, S] (0 or a large negative)
@@ -131,7 +131,9 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.update(layer, k, v)  # [B, Hkv, S, D]
         q = q.reshape(b, hkv, g * t, d)  # query head h uses kv head h // G; 4-D matmuls never copy the cache
-        scores = (q @ k.transpose(-1, -2) * self.scale).view(b, hkv, g, t, -1)  # [B, Hkv, G, T, S]
+        qk = q @ k.transpose(-1, -2)
+        qk = qk * self.query_scale if self.query_scale else qk / math.sqrt(d)
+        scores = qk.view(b, hkv, g, t, -1)  # [B, Hkv, G, T, S]
         probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
         out = probs.view(b, hkv, g * t, -1) @ v  # [B, Hkv, G*T, D]
         return self.wo(out.view(b, self.n_heads, t, d).transpose(1, 2).reshape(b, t, self.n_heads * d))
