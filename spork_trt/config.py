@@ -59,6 +59,9 @@ class Architecture:
 
 
 LLAMA = Architecture()
+EVERY_FEATURE = frozenset(Architecture(  # what an engine that runs every supported family supports
+    qkv_bias=True, qk_norm=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=True, query_scale=1.0,
+    sliding_window=1, windowed=(0,), local_rope_theta=1.0, final_softcap=1.0).features())
 
 
 @dataclass(frozen=True)

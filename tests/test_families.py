@@ -1,7 +1,8 @@
 """Families as data, checked against transformers, not ourselves: for each family a tiny random-weight model made
 with transformers' own config and model classes, saved as safetensors, loaded by our loader into our reference
 model: the same logits (fp32, within TOL) and the same greedy tokens (16 prompts x 64 tokens), and spork == plain
-on the reference engine. Engines that lack a family's features refuse it in one line."""
+on the reference engine; the same on the ONNX graph `export build` makes. Engines that lack a family's features
+refuse it in one line."""
 from __future__ import annotations
 
 import os
@@ -176,18 +177,62 @@ def test_llama_cpps_gguf_of_each_family_loads_to_transformers_logits(checkpoints
     assert (got - want).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
-def test_engines_without_a_familys_features_refuse_it_in_one_line(checkpoints, family):
+@pytest.mark.parametrize("attention", ["gqa", "plain"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_onnx_graph_of_each_family_computes_the_reference_logits(checkpoints, family, attention, tmp_path):
+    """lean.py's graph (ONNX Runtime's GroupQueryAttention, or standard ops for TensorRT) on a prompt that crosses
+    the 24-token window, then one decode step: the reference engine's logits within TOL."""
+    from spork_trt.engines import chain_input
+    from spork_trt.engines.onnx_engine import OnnxEngine
+    from spork_trt.engines.torch_engine import TorchEngine
     from spork_trt.export.onnx_graph import export_onnx
 
     ck = load_checkpoint(checkpoints[family][1])
-    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks .*--dtype fp32") as e:
-        export_onnx(ck.model, checkpoints[family][1] / "never.onnx")
-    assert "\n" not in str(e.value)
+    onnx = OnnxEngine(export_onnx(ck.model, tmp_path / "t.onnx", attention=attention), ck.cfg)
+    ref = TorchEngine(ck.model)
+    pools = onnx.make_pool(1, 128), ref.make_pool(1, 128)
+    ids = prompts(1)[0] * 2  # 2 x 3..39 tokens
+    for chunk in (ids[:-1], ids[-1:]):
+        got, want = (e.forward_batch([chain_input(p.caches[0], chunk)])[0] for e, p in zip((onnx, ref), pools))
+        assert got.shape == want.shape and (got - want).abs().max().item() < TOL, (family, len(chunk))
+    assert len(ids) > 24
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_on_the_onnx_target_are_transformers_and_spork_is_plain(checkpoints, family, tmp_path):
+    """The ONNX target `export build` makes: plain greedy decoding gives transformers' tokens, and spork (n-gram
+    trees, and an early-exit model drafter's chains) gives plain's."""
+    from spork_trt.engines.onnx_engine import OnnxEngine
+    from spork_trt.export.onnx_graph import export_onnx
+    from spork_trt.loop.generate import generate
+    from spork_trt.spec.drafters import ModelDrafter, NgramDrafter
+    from spork_trt.spec.sampling import make_generator
+
+    ref, d = checkpoints[family]
+    ck = load_checkpoint(d)
+    target = OnnxEngine(export_onnx(ck.model, tmp_path / "t.onnx"), ck.cfg)
+    early = OnnxEngine(export_onnx(ck.model, tmp_path / "e.onnx", n_layers=1), ck.cfg, n_layers=1)
+    cfg = GenerateConfig(max_new_tokens=32)
+    for i, p in enumerate(prompts(4)):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                                pad_token_id=0)[0, len(p):].tolist()
+        plain = generate(target, p, cfg, frozenset()).token_ids
+        drafter = NgramDrafter(4) if i % 2 else ModelDrafter(early, cfg.sampling, make_generator(None))
+        spec = SpecConfig.for_draft("ngram" if i % 2 else "early-exit")
+        spork = generate(target, p, cfg, frozenset(), drafter=drafter, spec=spec).token_ids
+        assert plain == want, (family, p)
+        assert spork == plain, (family, p)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_engines_without_a_familys_features_refuse_it_in_one_line(checkpoints, family):
+    ck = load_checkpoint(checkpoints[family][1])
     from spork_trt.engines.cpu.engine import cpu_target
 
-    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks "):
+    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks .*--dtype fp32") as e:
         cpu_target(ck, "bf16")
+    assert "\n" not in str(e.value)
 
 
 def test_an_unsupported_model_type_names_the_supported_ones(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from spork_trt import io_spec
 from spork_trt.checkpoint.transformer import Transformer
-from spork_trt.export.lean import GQA_SLOTS, LeanGraph, LeanHead
+from spork_trt.export.lean import FEATURES, GQA_SLOTS, LeanGraph, LeanHead
 
 OPSET = 17
 GRAPH_LAYOUT = "lean-5"  # a build input: bump it when the exported graph changes, so older engines are rebuilt
@@ -37,7 +37,7 @@ def export_onnx(model: Transformer, out: Path, n_layers: int | None = None, taps
     """Write `out` (.onnx) with its weights in `out`.data; returns the path. `taps`: also output the hidden states
     after these layers (io_spec.HIDDEN: the learned draft head's features). `attention`: io_spec.GQA (ONNX Runtime
     CPU) or io_spec.PLAIN (standard ops only: TensorRT, ONNX Runtime's GPU providers)."""
-    model.cfg.arch.require(frozenset(), "the ONNX export (export build)", REFERENCE_FIX)  # lean.py is Llama's
+    model.cfg.arch.require(FEATURES, "the ONNX export (export build)", REFERENCE_FIX)
     n = model.cfg.n_layers if n_layers is None else n_layers
     ins, outs = io_spec.inputs(model.cfg, n, attention), io_spec.outputs(model.cfg, n, taps, attention)
     return write_graph(LeanGraph(model.eval(), n, taps, attention).eval(), example_inputs(model, n, attention),
