@@ -53,6 +53,8 @@ def test_manifests_render_and_validate_offline(default_engines, tmp_path):
     assert c["command"][c["command"].index("--drain-timeout") + 1] == "45"
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    key = {e["name"]: e for e in c["env"]}["SPORK_API_KEY"]  # the OpenAI API's key from a Secret, never a literal
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "spork-api-key", "key": "api-key"} and "value" not in key
     assert c["resources"]["requests"]["memory"] == f"{-(-memory_request(cfg) // (1 << 20))}Mi"
     assert memory_request(cfg) > sum(p.stat().st_size for p in default_engines.glob("*.onnx*"))
     hpa = by_kind["base"]["HorizontalPodAutoscaler"]["spec"]

@@ -3,6 +3,7 @@ in OpenAI's shape, refused by its Content-Length or while it streams in; JSON th
 literal of 5,000 digits, 30,000 nested brackets) is a 400, never a 500. A real uvicorn server, raw HTTP."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -14,28 +15,40 @@ import pytest
 LIMIT = 64 * 1024
 
 
-@pytest.fixture(scope="module")
-def api(default_tokenizer):
+@contextlib.contextmanager
+def running(app):
+    """`app` on a real uvicorn server on a free loopback port: yields the port."""
     import uvicorn
 
-    from spork_trt.serving.openai_api.app import create_app
-    from spork_trt.serving.openai_api.model import ServedModel
-
-    model = ServedModel("m", default_tokenizer, 1024, 49152)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(model, "127.0.0.1:1", LIMIT), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def served_model(tokenizer):
+    from spork_trt.serving.openai_api.model import ServedModel
+
+    return ServedModel("m", tokenizer, 1024, 49152)
+
+
+@pytest.fixture(scope="module")
+def api(default_tokenizer):
+    from spork_trt.serving.openai_api.app import create_app
+
+    with running(create_app(served_model(default_tokenizer), "127.0.0.1:1", LIMIT)) as port:  # no upstream
+        yield port
 
 
 def post(port: int, body: bytes, chunked: bool = False) -> tuple[int, dict]:

@@ -15,6 +15,8 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
   python -m spork_trt serve --drain-timeout 120               # SIGTERM: in-flight requests get 2 minutes to finish
   python -m spork_trt serve --openai-port 0                   # no OpenAI-compatible API (default: on port 9000)
+  SPORK_API_KEY=$(cat key.txt) python -m spork_trt serve      # the OpenAI API asks for `Authorization: Bearer KEY`
+  python -m spork_trt serve --host 0.0.0.0 --api-key "$KEY" --allowed-origin https://chat.example.com
   python -m spork_trt serve --replicas 2                      # two servers behind haproxy on 8000/8001
 
 SIGTERM (or Ctrl-C) drains: readiness turns false at once, new requests are refused, in-flight ones finish within
@@ -55,6 +57,17 @@ def add_serving_commands(sub) -> None:
                    help="the model name the OpenAI API serves (default: the build's checkpoint name)")
     s.add_argument("--max-body-bytes", type=int, default=FrontConfig.max_body_bytes, metavar="N",
                    help="the OpenAI API refuses a larger request body while reading it, 413 (default: %(default)s)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="the OpenAI API answers only requests with `Authorization: Bearer KEY` (repeatable; also "
+                   "$SPORK_API_KEY, which other local users cannot read from the process list; default: no key)")
+    s.add_argument("--health-needs-key", action="store_true",
+                   help="with a key, /health asks for it too (default: open, for probes and load balancers)")
+    s.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a Host name the OpenAI API answers to (repeatable; * for any; default: loopback names on a "
+                   "loopback --host, any otherwise): a web page cannot rebind its own name to your loopback API")
+    s.add_argument("--allowed-origin", action="append", metavar="URL",
+                   help="a web origin whose browser requests the OpenAI API accepts, e.g. https://chat.example.com "
+                   "(repeatable; default: none: requests carrying an Origin are refused)")
     s.add_argument("--log", default=None, help="server log file (default: next to the repository; the previous "
                    "one is kept as LOG.1)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -118,6 +131,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from spork_trt.serving.openai_api.gate import KEY_ENV, gate_config, is_loopback
     from spork_trt.serving.openai_api.server import OpenAIServer, refuse_port_in_use
     from spork_trt.serving.replicas import ReplicaSet
     from spork_trt.serving.triton_server import ServerConfig, TritonServer
@@ -132,6 +146,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
     if not 0 <= a.openai_port < 65536:
         raise UserError(f"--openai-port must be a port number, or 0 for no OpenAI API; got {a.openai_port}")
+    try:
+        gate = gate_config(a.host, a.api_key, a.allowed_host, a.allowed_origin, not a.health_needs_key)
+    except ValueError as e:
+        raise UserError(f"--api-key / ${KEY_ENV}: {e}") from None
     if a.openai_port:
         refuse_port_in_use(a.host, a.openai_port)
     repo = Path(a.repo) if a.repo else ensure_rendered(RepoConfig(Path(a.engines)), verify=a.verify)
@@ -147,14 +165,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"starting {what} on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     server.start()
     front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout,
-                                     max_body_bytes=a.max_body_bytes))
+                                     max_body_bytes=a.max_body_bytes, gate=gate))
     try:
         if a.openai_port:
             front.start()
     except BaseException:
         server.stop(timeout_s=10.0)
         raise
-    openai = f"  OpenAI API {front.url} (model {front.model_name})" if a.openai_port else ""
+    keyed = f"{len(gate.api_keys)} API key(s)" if gate.api_keys else "no API key"
+    openai = f"  OpenAI API {front.url} (model {front.model_name}, {keyed})" if a.openai_port else ""
+    if a.openai_port and not gate.api_keys and not is_loopback(a.host):
+        print(f"warning: the OpenAI API listens on {a.host} with no API key: anyone who can reach the port can use "
+              f"it (set --api-key or ${KEY_ENV})", file=sys.stderr, flush=True)
     metrics = (f"{a.host}:{a.metrics_port}" if a.replicas == 1 else "per replica (" + "; ".join(
         f"r{i}: HTTP {s.http_url}, metrics 127.0.0.1:{s.cfg.metrics_port}" for i, s in enumerate(server.servers)) + ")")
     print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {metrics}{openai}  "

@@ -26,6 +26,7 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}  # serve -
 GIB = 1 << 30
 BASE_MEMORY = 2 * GIB  # tritonserver, its python stubs, the tokenizer: measured RSS of an idle default server ~1.6 GiB
 QUEUE_GAUGE, ACTIVE_GAUGE = "spork_queued_requests", "spork_active_requests"  # triton_repo/spork/model.py
+API_KEY_SECRET = ("spork-api-key", "api-key")  # the Secret (name, key) the OpenAI API's key comes from
 SCRATCH = "/scratch"  # an emptyDir: the server log and the python backend's cache (the image may be read-only)
 
 
@@ -103,7 +104,10 @@ def deployment(cfg: K8sConfig) -> dict:
     container = {
         "name": "triton", "image": cfg.image,
         "command": serve_command(cfg, "/engines/triton_repo"),
-        "env": [{"name": "XDG_CACHE_HOME", "value": f"{SCRATCH}/cache"}],  # the python backend's private copy
+        "env": [{"name": "XDG_CACHE_HOME", "value": f"{SCRATCH}/cache"}, {  # the python backend's private copy
+            # the OpenAI API's key (gate.KEY_ENV) from a Secret the operator makes: the pod does not start without it
+            "name": "SPORK_API_KEY", "valueFrom": {"secretKeyRef": {"name": API_KEY_SECRET[0],
+                                                                   "key": API_KEY_SECRET[1]}}}],
         "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
         "ports": [{"name": n, "containerPort": p} for n, p in PORTS.items()],
         "startupProbe": probe("/v2/health/ready", 5, 120),  # loading the models: up to 10 minutes

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
 from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
+from spork_trt.serving.openai_api.gate import Gate, GateConfig
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
@@ -37,7 +38,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int) -> FastAPI:
+def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: GateConfig = GateConfig()) -> FastAPI:
     state: dict = {}
 
     @contextlib.asynccontextmanager
@@ -50,6 +51,7 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int) -> FastAP
 
     app = FastAPI(title="spork_trt OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
+    app.add_middleware(Gate, cfg=gate)  # keys, Host, Origin, JSON: before any route reads the body
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:

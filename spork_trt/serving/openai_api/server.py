@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spork_trt.errors import UserError
+from spork_trt.serving.openai_api.gate import GateConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class FrontConfig:
     drain_timeout_s: float = 30.0  # on stop: in-flight answers get this long to finish (as Triton's drain)
     start_timeout_s: float = 30.0
     max_body_bytes: int = 4 * 2**20  # a larger request body is refused while it is read (413)
+    gate: GateConfig = GateConfig()  # API keys, the Host and Origin allow-lists (openai_api/gate.py)
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
@@ -47,7 +49,7 @@ class OpenAIServer:
 
         model = load_served_model(self.cfg.repo, self.cfg.model_name)
         self.model_name = model.name
-        config = uvicorn.Config(create_app(model, self.cfg.grpc_url, self.cfg.max_body_bytes), host=self.cfg.host, port=self.cfg.port,
+        config = uvicorn.Config(create_app(model, self.cfg.grpc_url, self.cfg.max_body_bytes, self.cfg.gate), host=self.cfg.host, port=self.cfg.port,
                                 log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(self.cfg.drain_timeout_s)))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="openai-api", daemon=True)
