@@ -222,6 +222,9 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "stream": "yes"}, 400, "stream"),
         ("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/chat/completions", {**chat, "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {**chat, "cache_salt": 5}, 400, "cache_salt"),
+        ("/v1/chat/completions", {**chat, "cache_salt": "s" * 257}, 400, "cache_salt"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
         ("/v1/completions", {"model": model, "prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"model": model, "prompt": "x", "echo": True}, 400, "echo"),
@@ -290,6 +293,21 @@ def test_a_second_turn_reuses_the_first_and_the_chat_cli_shows_it(api, client, r
     assert chat.returncode == 0, chat.stderr
     reused = [int(line.split("of which ")[1].split()[0]) for line in chat.stderr.splitlines() if "of which" in line]
     assert len(reused) == 2 and reused[1] >= len(first_ids) and chat.stdout.count("\n") >= 2
+
+
+@slow
+def test_prefix_reuse_is_scoped_by_cache_salt(api, client):
+    """A prompt's rows are reused by the next request with the same cache_salt only: another salt (another tenant)
+    sees cached_tokens 0 and cannot confirm a guess at the first one's prompt; the text is the same either way."""
+    _, model, _ = api
+    kw = dict(model=model, prompt="Tenant A's private note: the vault code is 4471 and the meeting is at noon.",
+              max_tokens=4, temperature=0)
+    first = client.completions.create(**kw, extra_body={"cache_salt": "tenant-a"})
+    other = client.completions.create(**kw, extra_body={"cache_salt": "tenant-b"})
+    again = client.completions.create(**kw, extra_body={"cache_salt": "tenant-a"})
+    n = first.usage.prompt_tokens
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in (first, other, again)] == [0, 0, n - 1]
+    assert first.choices[0].text == other.choices[0].text == again.choices[0].text
 
 
 @slow

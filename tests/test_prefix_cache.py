@@ -1,6 +1,7 @@
 """Prefix reuse in the KV pool on tiny seeded random models: a prompt that starts with a finished request's rows
 reuses them and gets exactly the tokens it gets with reuse off (greedy and seeded sampling, plain and drafted);
-a hit is checked token by token; eviction is LRU and never blocks admission."""
+a hit is checked token by token; eviction is LRU and never blocks admission; reuse stays within a request's
+cache scope (its tenant)."""
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,11 @@ from tests.test_core import drafter, engine, tiny  # noqa: F401 - the module's t
 FIRST = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def ask(tiny, kind, prompt, draft="plain", sampling=SamplingConfig(), n=20):  # noqa: F811
+def ask(tiny, kind, prompt, draft="plain", sampling=SamplingConfig(), n=20, scope=""):  # noqa: F811
     from spork_trt.config import SpecConfig
     spec = SpecConfig.for_draft("early-exit" if draft == "early" else "ngram")
     return Submission(prompt, GenerateConfig(max_new_tokens=n, sampling=sampling), frozenset(), spec,
-                      drafter(tiny, kind, draft, sampling))
+                      drafter(tiny, kind, draft, sampling), cache_scope=scope)
 
 
 @pytest.mark.parametrize("kind,draft,sampling", [("onnx", "plain", SamplingConfig()), ("onnx", "ngram", SamplingConfig()),
@@ -62,6 +63,7 @@ def test_a_hit_is_checked_token_by_token_and_keeps_the_last_prompt_token():
 
     cache = PrefixCache(Pool())
     cache.kept, cache.used = {0: tuple(range(40)), 1: tuple(range(20)) + (99,) * 20}, {0: 0, 1: 1}
+    cache.scopes = {0: "", 1: ""}
     cache.blocks = {}
     for s, toks in cache.kept.items():
         from spork_trt.loop.prefix_cache import chain_hashes
@@ -88,3 +90,22 @@ def test_a_request_shares_the_rows_of_a_running_one(tiny, kind, draft):  # noqa:
         cached[reuse] = (reqs[0].stats.cached_tokens, reqs[1].stats.cached_tokens, core.prefixes.stats.shared)
     assert answers[True] == answers[False] and len(answers[True][0]) == 30
     assert cached[True] == (0, len(doc), 1) and cached[False] == (0, 0, 0)
+
+
+def test_reuse_stays_within_a_scope_kept_or_running(tiny):  # noqa: F811
+    """Another tenant's kept rows are never reused (its cached_tokens stay 0: they cannot confirm a guess at
+    another's prompt), the same tenant's are; a running request's rows are copied only within its scope; every
+    answer is the one it gets alone."""
+    core = EngineCore(engine(tiny, "onnx"), 256, CoreConfig(slots=3, max_len=128))
+    alone = {tuple(p): run_core(EngineCore(engine(tiny, "onnx"), 256, CoreConfig(slots=1, max_len=128,
+                                                                                  prefix_reuse=False)),
+                                [ask(tiny, "onnx", p, n=4)])[0].token_ids for p in (FIRST, FIRST + [1, 2])}
+    first = run_core(core, [ask(tiny, "onnx", FIRST, n=4, scope="alice")])[0]
+    bob = run_core(core, [ask(tiny, "onnx", FIRST + [1, 2], n=4, scope="bob")])[0]
+    alice = run_core(core, [ask(tiny, "onnx", FIRST + [1, 2], n=4, scope="alice")])[0]
+    assert (first.stats.cached_tokens, bob.stats.cached_tokens, alice.stats.cached_tokens) == (0, 0, len(FIRST))
+    assert [first.token_ids, bob.token_ids, alice.token_ids] == [alone[tuple(FIRST)], *[alone[tuple(FIRST + [1, 2])]] * 2]
+    core = EngineCore(engine(tiny, "onnx"), 256, CoreConfig(slots=2, max_len=128))
+    reqs = core_requests(core, [ask(tiny, "onnx", FIRST + [3], n=30, scope="alice"),
+                                ask(tiny, "onnx", FIRST + [4], n=4, scope="bob")], join_at={1: 3})
+    assert [r.stats.cached_tokens for r in reqs] == [0, 0] and core.prefixes.stats.shared == 0

@@ -128,6 +128,9 @@ def test_defaults_and_limits():
         parse_request({"input_ids": IDS}, Limits(4, 96))
     with pytest.raises(UserError, match="stream=true needs the streaming model"):
         parse_request({"input_ids": IDS, "stream": one(True, np.bool_)}, LIMITS, can_stream=False)
+    assert req.cache_scope == "" and parse_request({"input_ids": IDS, "cache_scope": words("t1")}, LIMITS).cache_scope == "t1"
+    with pytest.raises(UserError, match="cache_scope must be at most 128 characters"):
+        parse_request({"input_ids": IDS, "cache_scope": words("x" * 129)}, LIMITS)
 
 
 @pytest.mark.slow

@@ -188,10 +188,11 @@ class EngineCore:
         while self.waiting and self.pool.free:
             r = self.waiting[0]
             reuse = self.cfg.prefix_reuse and not wants_hidden(r)
-            taken = self.prefixes.take(r.sub.prompt_ids, reuse=reuse)
+            scope = r.sub.cache_scope
+            taken = self.prefixes.take(r.sub.prompt_ids, reuse=reuse, scope=scope)
             if reuse:  # a running request may hold more of the prompt than any kept slot: its rows are copied
-                taken = self.prefixes.share(taken, r.sub.prompt_ids,
-                                            {a.slot: (*a.sub.prompt_ids, *a.stop.tokens) for a in self.active})
+                taken = self.prefixes.share(taken, r.sub.prompt_ids, {
+                    a.slot: (*a.sub.prompt_ids, *a.stop.tokens) for a in self.active if a.sub.cache_scope == scope})
             self.waiting.popleft()
             r.slot, r.cache = taken.slot, self.pool.caches[taken.slot]
             r.prefilled = r.stats.cached_tokens = taken.reused
@@ -205,7 +206,8 @@ class EngineCore:
             else:
                 self.active.remove(r)
                 # what the target ran, kept for a later prompt that starts with it (nothing of a failed request)
-                self.prefixes.give_back(r.slot, [] if r.error else [*r.sub.prompt_ids, *r.stop.tokens])
+                self.prefixes.give_back(r.slot, [] if r.error else [*r.sub.prompt_ids, *r.stop.tokens],
+                                        r.sub.cache_scope)
                 r.slot, r.cache = None, None
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \

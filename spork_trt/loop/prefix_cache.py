@@ -11,6 +11,10 @@ into the slot taken (`share`), so concurrent requests with the same system promp
 
 Rows computed while decoding (verified tree nodes) stand in for the rows a prefill would compute; the keystone
 tests hold the answers with reuse on equal to reuse off.
+
+Reuse is scoped: a request's `scope` (Submission.cache_scope: the OpenAI API's tenant, its API key and
+`cache_salt`) must equal the kept or running rows' scope, so a request never learns, by its `cached_tokens` or its
+time to first token, what another scope's prompts held.
 """
 from __future__ import annotations
 
@@ -48,15 +52,16 @@ class PrefixCache:
     blocks: dict[int, set[int]] = field(default_factory=dict)  # chained hash of a first k * BLOCK tokens -> slots
     hashes: dict[int, list[int]] = field(default_factory=dict)  # kept slot -> its chained block hashes
     used: dict[int, int] = field(default_factory=dict)  # free kept slot -> when it was kept (LRU clock)
+    scopes: dict[int, str] = field(default_factory=dict)  # kept slot -> the scope its rows may be reused in
     clock: int = 0
     stats: PrefixStats = field(default_factory=PrefixStats)
 
-    def take(self, prompt: list[int], reuse: bool = True) -> Taken | None:
-        """A free slot for `prompt` (None when every slot is in use): the one holding its longest kept prefix when
-        `reuse`, else an empty one, else the least recently kept one (evicted)."""
+    def take(self, prompt: list[int], reuse: bool = True, scope: str = "") -> Taken | None:
+        """A free slot for `prompt` (None when every slot is in use): the one holding its longest kept prefix in
+        `scope` when `reuse`, else an empty one, else the least recently kept one (evicted)."""
         if not self.pool.free:
             return None
-        slot, n = self.match(prompt) if reuse else (None, 0)
+        slot, n = self.match(prompt, scope) if reuse else (None, 0)
         if slot is None:
             empty = [s for s in self.pool.free if s not in self.kept]
             slot = min(empty) if empty else min(self.used, key=self.used.get)
@@ -71,7 +76,8 @@ class PrefixCache:
     def share(self, taken: Taken, prompt: list[int], running: dict[int, tuple[int, ...]]) -> Taken:
         """`taken`, or better: the longest prefix of `prompt` (at least one block, at most all but its last token)
         that a running request's committed rows hold, when longer than what `taken` kept, copied into its slot.
-        `running`: slot -> the tokens its committed rows hold, from the first (prompt, then committed tokens)."""
+        `running`: slot -> the tokens its committed rows hold, from the first (prompt, then committed tokens), of the
+        running requests in the new one's scope only."""
         caches, best, n = self.pool.caches, None, taken.reused
         for slot, tokens in running.items():
             m = common(tokens[:caches[slot].length], prompt, len(prompt) - 1)
@@ -84,22 +90,23 @@ class PrefixCache:
         self.stats.shared += 1
         return Taken(taken.slot, n)
 
-    def give_back(self, slot: int, tokens: list[int]) -> None:
+    def give_back(self, slot: int, tokens: list[int], scope: str = "") -> None:
         """A request leaves `slot`; `tokens`: what its committed rows hold (prompt, then committed tokens, as far as
-        the target ran them), kept for reuse ([] keeps nothing)."""
+        the target ran them), kept for reuse in `scope` ([] keeps nothing)."""
         n = min(len(tokens), self.pool.caches[slot].length)
         self.pool.give_back(slot, keep=n if n >= BLOCK else 0)
         if n < BLOCK:
             return
         self.kept[slot], self.used[slot], self.clock = tuple(tokens[:n]), self.clock, self.clock + 1
+        self.scopes[slot] = scope
         self.hashes[slot] = chain_hashes(self.kept[slot])
         for h in self.hashes[slot]:
             self.blocks.setdefault(h, set()).add(slot)
 
-    def match(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The kept slot sharing the longest prefix with `prompt` (at least one block, at most all but its last
-        token) and that prefix's length; (None, 0) without one."""
-        limit, found = len(prompt) - 1, set(self.kept)
+    def match(self, prompt: list[int], scope: str = "") -> tuple[int | None, int]:
+        """The kept slot of `scope` sharing the longest prefix with `prompt` (at least one block, at most all but
+        its last token) and that prefix's length; (None, 0) without one."""
+        limit, found = len(prompt) - 1, {s for s in self.kept if self.scopes[s] == scope}
         for depth, h in enumerate(chain_hashes(prompt[:limit])):
             span = slice(depth * BLOCK, (depth + 1) * BLOCK)  # the hash finds candidates, the tokens decide
             slots = {s for s in self.blocks.get(h, set()) & found if self.kept[s][span] == tuple(prompt[span])}
@@ -118,6 +125,7 @@ class PrefixCache:
         """Forget what `slot` holds (it is taken, or evicted)."""
         self.kept.pop(slot, None)
         self.used.pop(slot, None)
+        self.scopes.pop(slot, None)
         for h in self.hashes.pop(slot, ()):
             self.blocks[h].discard(slot)
             if not self.blocks[h]:

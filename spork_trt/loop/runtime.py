@@ -258,9 +258,9 @@ class Runtime:
         return DRAFTERS[draft.kind](self, draft, sampling)
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                spec: SpecConfig = SpecConfig()) -> Submission:
+                spec: SpecConfig = SpecConfig(), cache_scope: str = "") -> Submission:
         """One request's submission for the engine core, with its own drafter and verifier (over the shared
-        weights) and the tokenizer's decode."""
+        weights) and the tokenizer's decode; `cache_scope`: whose kept prefixes it may reuse (prefix_cache.py)."""
         assert mode in MODES, mode
         spec = self.resolve(spec)
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
@@ -268,7 +268,7 @@ class Runtime:
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
         return Submission(prompt_ids, cfg, self.tokenizer.eos_ids, spec, drafter,
-                          self.verifier(head) if scoring else None, self.tokenizer.decode)
+                          self.verifier(head) if scoring else None, self.tokenizer.decode, cache_scope=cache_scope)
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,

@@ -29,6 +29,7 @@ class ServeRequest:
     stream: bool
     timeout_s: float  # the deadline: seconds from submission until the request is ended (stop_reason "timeout")
     cancel_key: str | None = None  # a cancel carrying it ends the request (the unary models'; cancel_board.py)
+    cache_scope: str = ""  # prefix reuse only among requests with the same one (prefix_cache.py)
 
 
 def scalar(inputs: Inputs, name: str, kind: type, default):
@@ -135,5 +136,8 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     timeout = scalar(inputs, "timeout_s", float, limits.timeout_s)
     if not 0 < timeout <= limits.timeout_s:  # NaN too
         raise UserError(f"timeout_s must be in (0, {limits.timeout_s:g}] seconds (this server's longest), got {timeout}")
+    scope = scalar(inputs, "cache_scope", str, "")
+    if len(scope) > io_spec.MAX_CACHE_SCOPE:
+        raise UserError(f"cache_scope must be at most {io_spec.MAX_CACHE_SCOPE} characters, got {len(scope)}")
     return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout,
-                        cancel_key(inputs))
+                        cancel_key(inputs), scope)

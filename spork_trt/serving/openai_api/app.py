@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
 from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
-from spork_trt.serving.openai_api.gate import Gate, GateConfig
+from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
@@ -97,7 +97,7 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
             raise bad_request(None, "the request body is not valid JSON") from None
         except RecursionError:
             raise bad_request(None, "the request body nests arrays or objects too deeply") from None
-        job = parse_job(body, kind, model)
+        job = parse_job(body, kind, model, tenant(gate, request.headers))
         head = rs.Head.new(kind, model.name)
         stream = Stream(state["client"], job, model.tokenizer)
         events = answer(stream)

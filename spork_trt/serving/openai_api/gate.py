@@ -74,6 +74,13 @@ def key_matches(given: str, keys: tuple[str, ...]) -> bool:
     return found
 
 
+def tenant(cfg: GateConfig, headers: Headers) -> str:
+    """The API key a request was let in with ("" where the server asks for none): its prefix-reuse tenant."""
+    if not cfg.api_keys:
+        return ""
+    return headers.get("authorization", "").partition(" ")[2].strip()
+
+
 def refusal(cfg: GateConfig, method: str, path: str, headers: Headers) -> ApiError | None:
     """Why this request is refused, or None."""
     if cfg.allowed_hosts is not None and host_name(headers.get("host", "")) not in cfg.allowed_hosts:

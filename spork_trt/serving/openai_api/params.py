@@ -3,6 +3,7 @@ io_spec.request_config (the configs' own limits and messages, spelled as OpenAI 
 through admission.size_request; anything this server does not do is a 400 naming the field, never ignored."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,10 @@ DEFAULT_ONLY: dict[str, tuple] = {
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", *SAMPLING},
-          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", *SAMPLING}}
+                 "spec_mode", "cache_salt", *SAMPLING},
+          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
+                       *SAMPLING}}
+MAX_SALT = 256  # characters of a cache_salt
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,19 @@ class Job:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     spec_mode: str = SERVED_MODES[0]  # extension, as the Triton input: spork or plain (the baseline, same text)
+    cache_scope: str = ""  # prefix reuse only among requests of one tenant and cache_salt (cache_scope())
 
 
-def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
+def cache_scope(tenant: str, salt: str | None) -> str:
+    """The Triton `cache_scope` of a request: "" (shared by every request without a key or salt, as before), else a
+    digest of its API key and `cache_salt` (vLLM's name for the field): never the key itself."""
+    if not tenant and salt is None:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{salt or ''}".encode()).hexdigest()
+
+
+def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job:
+    """`tenant`: the API key the request was let in with ("" without keys): prefixes are reused within it only."""
     if not isinstance(body, dict):
         raise bad_request(None, "the request body must be a JSON object")
     for key, value in body.items():
@@ -83,8 +96,11 @@ def parse_job(body: Any, kind: str, model: ServedModel) -> Job:
     mode = body.get("spec_mode") or SERVED_MODES[0]
     if mode not in SERVED_MODES:
         raise bad_request("spec_mode", f"spec_mode must be one of {', '.join(SERVED_MODES)}, got {mode!r}")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
+        raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
-               mode)
+               mode, cache_scope(tenant, salt))
 
 
 def flag(body: dict, key: str, param: str | None = None):
@@ -121,7 +137,7 @@ def messages(value) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)} (no tools here)")
         extra = set(m) - {"role", "content", "name"}
         if extra:

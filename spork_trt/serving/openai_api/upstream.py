@@ -101,6 +101,8 @@ def inputs(job: Job) -> list:
               "top_k": (np.array([[s.top_k]], np.int32), "INT32"),
               "stream": (np.array([[True]], np.bool_), "BOOL"),  # always: stop strings and cancellation need it
               "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
+    if job.cache_scope:
+        values["cache_scope"] = (np.array([[job.cache_scope.encode()]], np.object_), "BYTES")
     if s.seed is not None:
         values["seed"] = (np.array([[s.seed]], np.uint64), "UINT64")
     if job.cfg.stop_strings:  # the engine core ends the request there too, freeing its slot without a cancel
