@@ -14,7 +14,7 @@ from spork_trt.config import GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.serving.request_tensors import Limits, parse_request
 from spork_trt.serving.engine_service import DETOKENIZE_CONTEXT, Chunk, Service
-from spork_trt.serving.triton_steps import decode_chunk, encode_text, text_limit
+from spork_trt.serving.triton_steps import decode_chunk, encode_text
 from spork_trt.checkpoint.tokenizer import text_delta
 
 CONTEXT = 64
@@ -165,13 +165,13 @@ def test_preprocessing_does_not_template_a_conversation_twice(default_tokenizer)
 
 @pytest.mark.slow
 def test_preprocessing_refuses_a_text_too_long_for_the_context_before_any_work(default_tokenizer):
-    limit = text_limit(default_tokenizer, 64)
+    limit = default_tokenizer.max_text_bytes(64)
     big = one(b"\xff" * (limit + 1), np.object_)  # not UTF-8: decoding it first would say so
     with pytest.raises(UserError, match=f"text_input is {limit + 1} bytes: no text over {limit} bytes fits"):
         encode_text(default_tokenizer, big, limit)
     for text in ("word " * 500, "x" * 3000, "a" + " " * 3000, "def f():\n    return 1\n" * 100):  # never refuses what fits
         n = len(default_tokenizer.encode_prompt(text, raw=True))
-        assert len(text.encode()) <= text_limit(default_tokenizer, n)
+        assert len(text.encode()) <= default_tokenizer.max_text_bytes(n)
 
 
 @pytest.mark.slow

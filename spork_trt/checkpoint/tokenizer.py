@@ -64,6 +64,16 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to."""
+        return max(1, max(len(self.hf.decode([i]).encode()) for i in range(len(self.hf))))
+
+    def max_text_bytes(self, context: int) -> int:
+        """Bytes of text past which no prompt fits `context` tokens: a token covers at most the longest token's
+        bytes, so a longer text has more tokens than the context. Checked before templating or tokenizing."""
+        return context * self.longest_token_bytes
+
     def save(self, out: Path) -> list[Path]:
         """Write tokenizer files (tokenizer.json, tokenizer_config.json, ...) into `out`."""
         out.mkdir(parents=True, exist_ok=True)

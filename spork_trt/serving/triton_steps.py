@@ -14,17 +14,10 @@ from spork_trt.loop.stopping import cut
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer, text_delta
 
 
-def text_limit(tok: Tokenizer, context: int) -> int:
-    """Bytes of text past which no prompt fits `context` tokens: a token covers at most the longest token's bytes,
-    so a longer text has more tokens than the context. Checked before decoding or tokenizing anything."""
-    longest = max(len(tok.hf.decode([i]).encode()) for i in range(len(tok.hf)))
-    return context * max(longest, 1)
-
-
 def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | None = None) -> np.ndarray:
     """Preprocessing: text_input [1, 1] (bytes) -> input_ids [1, n] through the chat template (a conversation
     the template already rendered, as Triton's OpenAI frontend sends, is not templated again); a text over
-    `max_bytes` (text_limit) is refused before any work."""
+    `max_bytes` (Tokenizer.max_text_bytes) is refused before any work."""
     if text_input is None:  # optional in the configs so that this message, not Triton's, answers its absence
         raise UserError(TEXT_MISSING)
     if text_input.size != 1:
@@ -84,7 +77,7 @@ def model_tokenizer(args: Mapping[str, str]) -> Tokenizer:
 
 
 def model_text_limit(args: Mapping[str, str], tok: Tokenizer) -> int:
-    """text_limit for the model window of the engines a Triton python model's config names."""
+    """Tokenizer.max_text_bytes for the model window of the engines a Triton python model's config names."""
     from spork_trt.checkpoint import manifest as mf
 
-    return text_limit(tok, mf.spec_config(mf.read(Path(model_parameters(args)["engines"]))["model"]).max_seq_len)
+    return tok.max_text_bytes(mf.spec_config(mf.read(Path(model_parameters(args)["engines"]))["model"]).max_seq_len)

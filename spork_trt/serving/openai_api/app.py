@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -13,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
-from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
+from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large, unavailable
 from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
@@ -21,6 +22,7 @@ from spork_trt.serving.openai_api.upstream import MODEL, Stream
 
 log = logging.getLogger("spork_trt.serving.openai_api")
 DISCONNECT_POLL_S = 0.5
+MAX_PARSING = 64  # requests parsed (JSON, chat template, tokenizer) or waiting for it at once; more: 503
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -38,8 +40,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def parse(raw: bytes, kind: str, model: ServedModel, tenant_key: str):
+    """The body -> a Job: JSON, then the fields, the template and the tokenizer (on the parsing thread)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:  # not JSON, not UTF-8, an integer literal past Python's 4,300 digits
+        raise bad_request(None, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise bad_request(None, "the request body nests arrays or objects too deeply") from None
+    return parse_job(body, kind, model, tenant_key)
+
+
 def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: GateConfig = GateConfig()) -> FastAPI:
-    state: dict = {}
+    state: dict = {"parsing": 0}
+    # one thread parses every request, off the event loop (streams and /health go on meanwhile); one, because a
+    # tokenizer is not safe to share between threads
+    parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-parse")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -48,6 +64,7 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
         state["client"] = grpcclient.InferenceServerClient(grpc_url)  # one channel, one stream per request
         yield
         await state["client"].close()
+        parser.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="spork_trt OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
@@ -91,13 +108,14 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
 
     async def complete(request: Request, kind: str):
         raw = await read_body(request, max_body_bytes)
+        if state["parsing"] >= MAX_PARSING:
+            raise unavailable(f"the server is busy: {MAX_PARSING} requests are being read")
+        state["parsing"] += 1
         try:
-            body = json.loads(raw)
-        except ValueError:  # not JSON, not UTF-8, an integer literal past Python's 4,300 digits
-            raise bad_request(None, "the request body is not valid JSON") from None
-        except RecursionError:
-            raise bad_request(None, "the request body nests arrays or objects too deeply") from None
-        job = parse_job(body, kind, model, tenant(gate, request.headers))
+            job = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, kind, model,
+                                                                   tenant(gate, request.headers))
+        finally:
+            state["parsing"] -= 1
         head = rs.Head.new(kind, model.name)
         stream = Stream(state["client"], job, model.tokenizer)
         events = answer(stream)

@@ -28,6 +28,11 @@ class ServedModel:
         text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(hf.encode(text, add_special_tokens=False))
 
+    @property
+    def max_text_bytes(self) -> int:
+        """Bytes of text past which no prompt fits the context (Tokenizer.max_text_bytes; computed once)."""
+        return self.tokenizer.max_text_bytes(self.context)
+
     def prompt_ids(self, prompt: str) -> list[int]:
         """A completion prompt as written (no template), as `generate --raw` encodes it."""
         return list(self.tokenizer.hf.encode(prompt, add_special_tokens=True))
@@ -47,4 +52,6 @@ def load_served_model(repo: Path, name: str | None = None) -> ServedModel:
     context = min(mcfg.max_seq_len, int(params["max_len"]) - SpecConfig.for_draft(params["draft"]).tree_room)
     source = Path(manifest["source"]["path"])
     default = source.name.removesuffix(".gguf") if source.suffix == ".gguf" else source.name
-    return ServedModel(name or default, load_tokenizer(engines, "hf", mcfg.eos_token_ids), context, mcfg.vocab_size)
+    model = ServedModel(name or default, load_tokenizer(engines, "hf", mcfg.eos_token_ids), context, mcfg.vocab_size)
+    model.max_text_bytes  # noqa: B018 - the longest token's size, found once here, not in a request
+    return model

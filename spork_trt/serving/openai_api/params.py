@@ -29,6 +29,8 @@ FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", 
           COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
                        *SAMPLING}}
 MAX_SALT = 256  # characters of a cache_salt
+MAX_MESSAGES = 4096  # messages in one chat request
+MAX_PARTS = 256  # text parts in one message's content
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     if name != model.name:
         raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
                        "model_not_found")
-    ids = model.chat_ids(messages(body.get("messages"))) if kind == CHAT else model.prompt_ids(prompt(body))
+    texts = messages(body.get("messages")) if kind == CHAT else prompt(body)
+    fits_text(texts, model, "messages" if kind == CHAT else "prompt")  # before templating or tokenizing anything
+    ids = model.chat_ids(texts) if kind == CHAT else model.prompt_ids(texts)
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
@@ -101,6 +105,14 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
         raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
                mode, cache_scope(tenant, salt))
+
+
+def fits_text(texts: list[dict[str, str]] | str, model: ServedModel, param: str) -> None:
+    """Refuse text that cannot fit the context whatever it tokenizes to (ServedModel.max_text_bytes), by its size."""
+    size = len(texts.encode()) if isinstance(texts, str) else sum(len(m["content"].encode()) for m in texts)
+    if size > model.max_text_bytes:
+        raise bad_request(param, f"{param} hold {size} bytes of text: no text over {model.max_text_bytes} bytes fits "
+                          f"the model's context of {model.context} tokens; send less text", "context_length_exceeded")
 
 
 def flag(body: dict, key: str, param: str | None = None):
@@ -134,6 +146,8 @@ def messages(value) -> list[dict[str, str]]:
     """OpenAI messages -> role/content dicts for the chat template (text only: string content or text parts)."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
+    if len(value) > MAX_MESSAGES:
+        raise bad_request("messages", f"messages holds {len(value)} messages: at most {MAX_MESSAGES} per request")
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
@@ -151,6 +165,8 @@ def messages(value) -> list[dict[str, str]]:
 def content(value, where: str) -> str:
     if isinstance(value, str):
         return value
+    if isinstance(value, list) and len(value) > MAX_PARTS:
+        raise bad_request(where, f"{where} holds {len(value)} parts: at most {MAX_PARTS} per message")
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
                                                                                                    str) for p in value):
         return "".join(p["text"] for p in value)
