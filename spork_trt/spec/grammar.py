@@ -1,0 +1,142 @@
+"""Constrained decoding: a grammar (any JSON, a JSON schema, a regex, an EBNF grammar) restricts the target's
+distribution at every committed position, so the reference is constrained plain decoding, greedy or sampled.
+
+The grammar engine is xgrammar (maintained, on the package index; chosen by measurement over llguidance, on the
+default tokenizer, a three-field JSON schema and one 39-token document: a next-token mask in 0.02 ms against 0.14 ms
+on average, 0.19 ms against 2.9 ms at worst; compiling 15 ms against 3 ms; installed without its optional GPU
+kernels). Under speculation every draft tree is walked with the grammar before verification (`tree_masks`): a node whose token the grammar forbids at its place is
+cut with its subtree (it never costs a forward slot), and each kept node gets the mask of the grammar state its path
+reaches; the target's logits at each node are masked with it (`constrain`) before greedy or sampled verification,
+which then accepts exactly what constrained plain decoding would. After a step the committed tokens advance the
+grammar (`advance`).
+
+  tree_masks   DraftTree [N] -> valid [N] bools, masks [N, ceil(V/32)] int32 bitmasks (bit t: token t allowed)
+  constrain    logits [N, V], masks [N, W] -> logits [N, V] with forbidden tokens at -inf
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from spork_trt.errors import UserError
+from spork_trt.spec.tree import DraftTree
+
+KINDS = ("json", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match."""
+
+    kind: str  # one of KINDS
+    source: str = ""  # the JSON schema (as JSON text), the regex or the EBNF grammar; "" for any JSON
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind != "json" and not self.source.strip():
+            raise UserError(f"a {self.kind} grammar needs its source (the schema, regex or EBNF text)")
+
+
+class Grammars:
+    """One tokenizer's grammar compiler (its vocabulary prepared once; compiled grammars cached)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(stop_ids) or None)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+
+    @functools.lru_cache(maxsize=64)
+    def compiled(self, spec: GrammarSpec):
+        try:
+            if spec.kind == "json":
+                return self.compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_schema":
+                return self.compiler.compile_json_schema(spec.source, strict_mode=True)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.source)
+            return self.compiler.compile_grammar(spec.source)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors: the user's schema, regex or grammar
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"the {spec.kind} grammar does not compile: {first[:300]}") from None
+
+    def constraint(self, spec: GrammarSpec) -> Constraint:
+        """A fresh grammar state for one request."""
+        import xgrammar as xgr
+
+        return Constraint(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
+
+
+class Constraint:
+    """One request's grammar state: advanced by its committed tokens, walked along its draft trees."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.width = xgr.get_bitmask_shape(1, vocab_size)[1]
+
+    def masks(self, n: int) -> torch.Tensor:
+        return torch.full((n, self.width), -1, dtype=torch.int32)  # every bit set: all allowed
+
+    def next_mask(self) -> torch.Tensor:
+        """[1, W]: what the grammar allows after the committed tokens."""
+        out = self.masks(1)
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(out, 0)
+        return out
+
+    def tree_masks(self, tree: DraftTree) -> tuple[list[bool], torch.Tensor]:
+        """valid [N] (a node and all its ancestors allowed where they stand) and masks [N, W] (each valid node's
+        state's mask; an invalid node's row is all ones and never used), by a depth-first walk with rollback: the
+        grammar state is left as it was."""
+        n = len(tree)
+        valid, masks = [False] * n, self.masks(n)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[tree.parents[i]].append(i)
+        valid[0] = True
+        stack: list[tuple[int, bool]] = [(0, False)]  # (node, leaving): entering takes its token and fills its mask,
+        # leaving rolls the token back (pushed before its children, so popped after them)
+        while stack:
+            node, leaving = stack.pop()
+            if leaving:
+                self.matcher.rollback(1)
+                continue
+            if node:
+                if not self.matcher.accept_token(tree.tokens[node]):
+                    continue  # its parent's mask allowed it, so this does not happen; invalid if it did
+                valid[node] = True
+                stack.append((node, True))
+            if self.matcher.is_terminated():
+                continue  # nothing may follow the end: its children stay invalid
+            self.matcher.fill_next_token_bitmask(masks, node)
+            stack += [(c, False) for c in reversed(children[node]) if allowed(masks[node], tree.tokens[c])]
+        return valid, masks
+
+    def advance(self, tokens: list[int]) -> None:
+        """The committed tokens, in order (those after the grammar's end are ignored: the stop rule ends there)."""
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(t):
+                raise AssertionError(f"a committed token ({t}) breaks the grammar: masked decoding never picks one")
+
+
+def allowed(mask: torch.Tensor, token: int) -> bool:
+    """Whether bit `token` of one bitmask row [W] is set."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with each row's forbidden tokens at -inf (masks [N, W] int32 bitmasks)."""
+    v = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (masks[:, :, None] >> shifts) & 1  # [N, W, 32]
+    ok = bits.reshape(masks.shape[0], -1)[:, :v].bool().to(logits.device)  # [N, V]
+    return logits.masked_fill(~ok, float("-inf"))
