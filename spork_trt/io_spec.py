@@ -179,6 +179,7 @@ COMPAT_INPUTS = (
     CompatInput(TritonTensor("return_num_input_tokens", "BOOL", (1,), optional=True)),
     CompatInput(TritonTensor("return_num_output_tokens", "BOOL", (1,), optional=True)),
 )
+MAX_GRAMMAR_BYTES = 256 * 1024  # a request's grammar tensor (spec/grammar.py: a JSON schema, regex or EBNF)
 MAX_CACHE_SCOPE = 128  # characters of a cache_scope (the OpenAI API sends a 64-character digest)
 SERVED_MODES = ("spork", "plain")  # spec_mode values (the first the default); the lossy gate mode is never served
 REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent means the default
@@ -187,6 +188,7 @@ REQUEST_PARAMS = (  # ensemble inputs that go straight to the spork step; absent
     TritonTensor("spec_mode", "STRING", (1,), optional=True),  # SERVED_MODES
     TritonTensor("timeout_s", "FP32", (1,), optional=True),  # the request's deadline, at most the server's
     TritonTensor("cache_scope", "STRING", (1,), optional=True),  # prefix reuse only within it (prefix_cache.py)
+    TritonTensor("grammar", "STRING", (1,), optional=True),  # {"kind", "source"}: what the output must match
     *(c.tensor for c in COMPAT_INPUTS),
 )
 

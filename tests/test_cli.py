@@ -41,6 +41,9 @@ def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     (["generate", "hi", "--mode", "gate", "--tau", "0.5", "--temperature", "0.7"], "greedy only"),
     (["generate", "hi", "--mode", "gate", "--tau", "0.5"], "export calibrate"),  # the torch engine has no head
     (["generate", "hi", "--target-acceptance", "1.2"], "--target-acceptance must be in (0, 1)"),
+    (["generate", "hi", "--grammar", "json_schema:/no/such.json"], "needs a readable file"),
+    (["generate", "hi", "--grammar", "yaml"], "grammar kind must be one of"),
+    (["generate", "hi", "--grammar", "regex:(unclosed"], "does not compile"),
     (["generate", "hi", "--device", "cuda", "--engines", "engines/default"], "pass one or the other"),
     pytest.param(["generate", "hi", "--device", "cuda"], "sees no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
@@ -51,6 +54,15 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert needle in r.stderr and r.stderr.startswith("error: ")
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+def test_a_grammar_constrains_the_output():
+    import re
+
+    r = run("generate", "The date today is", "--raw", "--grammar", r"regex:\d{4}-\d{2}-\d{2}", "--max-new-tokens",
+            "16")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.stdout.strip()), r.stdout
 
 
 def test_help_has_examples():

@@ -92,8 +92,8 @@ def reference(default_engines):
 
     rt = Runtime.from_engines(default_engines, dtype=AUTO_DTYPE)
 
-    def run(ids: list[int], max_tokens: int = MAX_TOKENS):
-        r = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens))
+    def run(ids: list[int], max_tokens: int = MAX_TOKENS, grammar=None):
+        r = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens), grammar=grammar)
         return r.text, r.token_ids
 
     run.tok = rt.tokenizer
@@ -210,7 +210,11 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ("/v1/chat/completions", {**chat, "logit_bias": {"42": 5}}, 400, "logit_bias"),
-        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, 400, "response_format"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "regex", "regex": "(unclosed"}}, 400,
+         "response_format"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": []}}, 400,
+         "response_format"),
         ("/v1/chat/completions", {**chat, "temperature": -0.5}, 400, "temperature"),
         ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {**chat, "top_k": -1}, 400, "top_k"),
@@ -293,6 +297,36 @@ def test_a_second_turn_reuses_the_first_and_the_chat_cli_shows_it(api, client, r
     assert chat.returncode == 0, chat.stderr
     reused = [int(line.split("of which ")[1].split()[0]) for line in chat.stderr.splitlines() if "of which" in line]
     assert len(reused) == 2 and reused[1] >= len(first_ids) and chat.stdout.count("\n") >= 2
+
+
+@slow
+def test_response_format_json_schema_is_constrained_decoding_streamed_or_not(api, client, reference):
+    """response_format json_schema (strict) through Triton: the answer parses, matches the schema and is the
+    local constrained greedy decoding of the same prompt, streamed or not; json_object answers JSON."""
+    import jsonschema
+
+    from spork_trt.spec.grammar import GrammarSpec
+
+    _, model, _ = api
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name a large city and its country as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    kw = dict(model=model, messages=messages, max_tokens=64, temperature=0)
+    r = client.chat.completions.create(**kw, response_format=fmt)
+    hf = reference.tok.hf
+    ids = hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)
+    want, _ = reference(ids, 64, GrammarSpec("json_schema", json.dumps(schema)))
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want), schema)
+    text, finish, _, _ = streamed(client, "chat", **kw, response_format=fmt)
+    assert (text, finish) == (want, "stop")
+    plain = client.chat.completions.create(**kw, response_format=fmt, extra_body={"spec_mode": "plain"})
+    assert plain.choices[0].message.content == want
+    any_json = client.chat.completions.create(**kw, response_format={"type": "json_object"})
+    json.loads(any_json.choices[0].message.content)
 
 
 @slow

@@ -19,6 +19,8 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
+  python -m spork_trt generate "Paris as JSON" --grammar json_schema:city.schema.json   # constrained, lossless
+  python -m spork_trt generate "A date:" --raw --grammar 'regex:\\d{4}-\\d{2}-\\d{2}'      # also json, ebnf:FILE
   python -m spork_trt generate "Explain TCP" --engines engines/default --verifier on   # after export calibrate
   python -m spork_trt generate "Explain TCP" --engines engines/default --mode gate --tau 0.7   # LOSSY
   python -m spork_trt generate "Explain TCP" --device cuda                # GPU: the device engine, CUDA graphs
@@ -91,6 +93,9 @@ def build_parser() -> Parser:
             g.add_argument(f.flag, dest=f.field, type=f.kind, default=None,
                            help=f.help + ("" if f.default is None else f" (default: {f.default})"))
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--grammar", default=None, metavar="KIND[:SOURCE]",
+                   help="constrain the output: json (any JSON), json_schema:FILE, regex:PATTERN or ebnf:FILE "
+                   "(spork stays token-identical to constrained plain decoding)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     from spork_trt.cli.chat import add_chat_command
     from spork_trt.cli.serving import add_serving_commands
@@ -177,6 +182,22 @@ def check_beside(a: argparse.Namespace, dtype: str) -> None:
                         f"cache); the target here is {dtype} on the CPU torch engine: add --dtype fp32")
 
 
+def grammar_flag(value: str | None):
+    """--grammar KIND[:SOURCE] -> a GrammarSpec (json_schema and ebnf read SOURCE from a file), or None."""
+    from pathlib import Path
+
+    from spork_trt.spec.grammar import GrammarSpec
+
+    if value is None:
+        return None
+    kind, _, source = value.partition(":")
+    if kind in ("json_schema", "ebnf"):
+        if not source or not Path(source).is_file():
+            raise UserError(f"--grammar {kind}:FILE needs a readable file, got {source!r}")
+        source = Path(source).read_text()
+    return GrammarSpec(kind, source)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from spork_trt.loop.runtime import Runtime
     from spork_trt.checkpoint.tokenizer import StreamDecoder
@@ -202,11 +223,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work
     prompt_ids = rt.tokenizer.encode_prompt(a.prompt, raw=a.raw)
+    grammar = grammar_flag(a.grammar)
     stream = None
     if not a.json:
         dec = StreamDecoder(rt.tokenizer)
         stream = lambda ids: print(dec.feed(ids), end="", flush=True)
-    result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream)
+    result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream, grammar=grammar)
     if stream:
         print(dec.feed([], final=True), end="")  # a trailing incomplete character, if any
     if a.json:

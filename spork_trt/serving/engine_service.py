@@ -201,7 +201,8 @@ class Service:
         Raises UserError for bad input and QueueFull when every slot is taken and the queue is full, before any
         work."""
         req = parse_request(inputs, self.limits, can_stream)
-        sub = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec, cache_scope=req.cache_scope)
+        sub = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec, cache_scope=req.cache_scope,
+                                   grammar=req.grammar)
         ticket = Ticket(sub, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s,
                         req.cancel_key)
         with self._wake:

@@ -17,6 +17,7 @@ from spork_trt.serving.cancel_board import KEY
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import FieldError, UserError
 from spork_trt.io_spec import REQUEST_FIELDS, request_config
+from spork_trt.spec.grammar import GrammarSpec, parse_grammar
 
 Inputs = Mapping[str, "np.ndarray | None"]
 
@@ -30,6 +31,7 @@ class ServeRequest:
     timeout_s: float  # the deadline: seconds from submission until the request is ended (stop_reason "timeout")
     cancel_key: str | None = None  # a cancel carrying it ends the request (the unary models'; cancel_board.py)
     cache_scope: str = ""  # prefix reuse only among requests with the same one (prefix_cache.py)
+    grammar: GrammarSpec | None = None  # what the output must match (spec/grammar.py)
 
 
 def scalar(inputs: Inputs, name: str, kind: type, default):
@@ -139,5 +141,8 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     scope = scalar(inputs, "cache_scope", str, "")
     if len(scope) > io_spec.MAX_CACHE_SCOPE:
         raise UserError(f"cache_scope must be at most {io_spec.MAX_CACHE_SCOPE} characters, got {len(scope)}")
+    grammar = scalar(inputs, "grammar", str, None)
+    if grammar is not None and len(grammar.encode()) > io_spec.MAX_GRAMMAR_BYTES:
+        raise UserError(f"grammar must be at most {io_spec.MAX_GRAMMAR_BYTES} bytes, got {len(grammar.encode())}")
     return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout,
-                        cancel_key(inputs), scope)
+                        cancel_key(inputs), scope, None if grammar is None else parse_grammar(grammar))

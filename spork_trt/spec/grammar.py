@@ -40,6 +40,26 @@ class GrammarSpec:
             raise UserError(f"a {self.kind} grammar needs its source (the schema, regex or EBNF text)")
 
 
+def parse_grammar(text: str) -> GrammarSpec:
+    """The `grammar` request tensor: {"kind": one of KINDS, "source": text} as JSON -> a GrammarSpec."""
+    import json
+
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise UserError('grammar must be JSON: {"kind": "json" | "json_schema" | "regex" | "ebnf", "source": TEXT}') from None
+    if not isinstance(obj, dict) or set(obj) - {"kind", "source"} or not isinstance(obj.get("source", ""), str):
+        raise UserError('grammar must be {"kind": "json" | "json_schema" | "regex" | "ebnf", "source": TEXT}')
+    return GrammarSpec(str(obj.get("kind")), obj.get("source", ""))
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """A GrammarSpec as the `grammar` request tensor's JSON."""
+    import json
+
+    return json.dumps({"kind": spec.kind, "source": spec.source})
+
+
 class Grammars:
     """One tokenizer's grammar compiler (its vocabulary prepared once; compiled grammars cached)."""
 

@@ -2,12 +2,14 @@
 request may use (read from the rendered repository, as the `spork` model computes it), prompts -> token ids."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from spork_trt.config import SpecConfig
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from spork_trt.serving.openai_api.errors import bad_request
+from spork_trt.spec.grammar import Grammars
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -27,6 +29,12 @@ class ServedModel:
             raise bad_request("messages", f"model {self.name} has no chat template: use /v1/completions")
         text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(hf.encode(text, add_special_tokens=False))
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this tokenizer: response_format's grammar is compiled here first (a bad one is
+        a 400 before any work), then by the spork model, which applies it."""
+        return Grammars(self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_ids)
 
     @property
     def max_text_bytes(self) -> int:

@@ -4,15 +4,17 @@ through admission.size_request; anything this server does not do is a 400 naming
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from spork_trt.loop.admission import size_request
 from spork_trt.config import GenerateConfig, SpecConfig
-from spork_trt.errors import FieldError
-from spork_trt.io_spec import SERVED_MODES, request_config
+from spork_trt.errors import FieldError, UserError
+from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, request_config
 from spork_trt.serving.openai_api.errors import ApiError, bad_request
 from spork_trt.serving.openai_api.model import ROLES, ServedModel
+from spork_trt.spec.grammar import GrammarSpec
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
@@ -20,14 +22,14 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0), "top_logprobs": (0,),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
+    "modalities": (["text"],), "store": (False,),
 }
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", "cache_salt", *SAMPLING},
+                 "spec_mode", "cache_salt", "response_format", *SAMPLING},
           COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
-                       *SAMPLING}}
+                       "response_format", *SAMPLING}}
 MAX_SALT = 256  # characters of a cache_salt
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_PARTS = 256  # text parts in one message's content
@@ -42,6 +44,7 @@ class Job:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     spec_mode: str = SERVED_MODES[0]  # extension, as the Triton input: spork or plain (the baseline, same text)
     cache_scope: str = ""  # prefix reuse only among requests of one tenant and cache_salt (cache_scope())
+    grammar: GrammarSpec | None = None  # response_format's: what the output must match (spec/grammar.py)
 
 
 def cache_scope(tenant: str, salt: str | None) -> str:
@@ -103,8 +106,45 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
         raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
+    grammar = response_format(body.get("response_format"), model)
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
-               mode, cache_scope(tenant, salt))
+               mode, cache_scope(tenant, salt), grammar)
+
+
+FORMATS = {"json_object": "json", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}  # type -> kind
+
+
+def response_format(value, model: ServedModel) -> GrammarSpec | None:
+    """OpenAI's response_format ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}) and ours ({"type": "regex", "regex": TEXT}, {"type": "ebnf", "ebnf": TEXT}) -> the
+    grammar the output must match, compiled once here so that a bad one is a 400 before any work."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind not in FORMATS:
+        raise bad_request("response_format", "response_format.type must be text, json_object, json_schema, or "
+                          "this server's regex or ebnf")
+    if kind == "json_object":
+        source = ""
+    elif kind == "json_schema":
+        js = value.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad_request("response_format", 'response_format.json_schema must be {"name", "schema": {...}}')
+        source = json.dumps(js.get("schema", {}))
+    else:
+        source = value.get(kind)
+        if not isinstance(source, str) or not source.strip():
+            raise bad_request("response_format", f"response_format.{kind} must be a non-empty string")
+    if len(source.encode()) > MAX_GRAMMAR_BYTES:
+        raise bad_request("response_format", f"response_format's grammar must be at most {MAX_GRAMMAR_BYTES} bytes")
+    spec = GrammarSpec(FORMATS[kind], source)
+    try:
+        model.grammars.compiled(spec)
+    except UserError as e:
+        raise bad_request("response_format", str(e)) from None
+    return spec
 
 
 def fits_text(texts: list[dict[str, str]] | str, model: ServedModel, param: str) -> None:

@@ -12,6 +12,7 @@ from spork_trt.errors import retryable
 from spork_trt.checkpoint.tokenizer import Tokenizer, text_delta
 from spork_trt.serving.openai_api.errors import ApiError, unavailable
 from spork_trt.serving.openai_api.params import Job
+from spork_trt.spec.grammar import grammar_text
 
 MODEL = "spork"
 
@@ -101,6 +102,8 @@ def inputs(job: Job) -> list:
               "top_k": (np.array([[s.top_k]], np.int32), "INT32"),
               "stream": (np.array([[True]], np.bool_), "BOOL"),  # always: stop strings and cancellation need it
               "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
+    if job.grammar is not None:
+        values["grammar"] = (np.array([[grammar_text(job.grammar).encode()]], np.object_), "BYTES")
     if job.cache_scope:
         values["cache_scope"] = (np.array([[job.cache_scope.encode()]], np.object_), "BYTES")
     if s.seed is not None:
