@@ -74,11 +74,15 @@ def key_matches(given: str, keys: tuple[str, ...]) -> bool:
     return found
 
 
+def bearer(headers: Headers) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header, else None."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else None
+
+
 def tenant(cfg: GateConfig, headers: Headers) -> str:
     """The API key a request was let in with ("" where the server asks for none): its prefix-reuse tenant."""
-    if not cfg.api_keys:
-        return ""
-    return headers.get("authorization", "").partition(" ")[2].strip()
+    return (bearer(headers) or "") if cfg.api_keys else ""
 
 
 def refusal(cfg: GateConfig, method: str, path: str, headers: Headers) -> ApiError | None:
@@ -91,8 +95,8 @@ def refusal(cfg: GateConfig, method: str, path: str, headers: Headers) -> ApiErr
         return ApiError(403, f"requests from the web origin {origin[:100]!r} are not allowed (serve "
                              "--allowed-origin)", None, "origin_not_allowed")
     if cfg.api_keys and not (cfg.open_health and path in OPEN_PATHS):
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key_matches(given.strip(), cfg.api_keys):
+        given = bearer(headers)
+        if given is None or not key_matches(given, cfg.api_keys):
             return ApiError(401, "a valid API key is required: send it as `Authorization: Bearer KEY`", None,
                             "invalid_api_key")
     if method == "POST" and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
