@@ -286,11 +286,12 @@ class EngineCore:
 
     def tree_work(self, r: Request, d: Draft, count: int) -> TreeWork:
         keep, masks = r.sched.kept(d.proposed, d.cands, count), None
-        if r.sub.constraint is not None:  # nodes the grammar forbids where they stand are cut before the forward
-            valid, all_masks = r.sub.constraint.tree_masks(d.proposed)
-            keep = [i for i in keep if valid[i]]
-            masks = all_masks[keep]  # [N, W]
         tree = d.proposed.subtree(keep)
+        if r.sub.constraint is not None:  # nodes the grammar forbids where they stand are cut before the forward
+            valid, masks = r.sub.constraint.tree_masks(tree)  # the kept nodes only (each one's ancestors are kept)
+            rows = [i for i, ok in enumerate(valid) if ok]
+            keep, masks = [keep[i] for i in rows], masks[rows]  # [N, W]
+            tree = d.proposed.subtree(keep)
         b, buf = len(r.behind), compile_tree(tree.after(r.behind).parents, r.cache.length)
         children = tuple(tuple(c - b for c in ch) for ch in buf.children[b:])
         seq = SeqInput(r.cache, (*r.behind, *tree.tokens), tuple(buf.position_ids[0].tolist()), buf.ancestors)
