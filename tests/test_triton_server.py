@@ -603,6 +603,12 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
 
     import psutil
 
+    def name_of(proc) -> str:  # a child that exits between the listing and the read (a short-lived helper) has none
+        try:
+            return proc.name()
+        except psutil.Error:
+            return ""
+
     ports = [str(free_port()) for _ in range(3)]
     p = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", "--engines", str(default_engines),
                           "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
@@ -612,11 +618,11 @@ def test_ctrl_c_while_starting_leaves_nothing_running(default_engines, tmp_path)
         deadline, server = time.monotonic() + 120, None
         while server is None:
             assert time.monotonic() < deadline and p.poll() is None, "tritonserver did not start"
-            kids = [c for c in psutil.Process(p.pid).children(recursive=True) if "tritonserver" in c.name()]
+            kids = [c for c in psutil.Process(p.pid).children(recursive=True) if "tritonserver" in name_of(c)]
             server = kids[0].pid if kids else None
             time.sleep(0.1)
         group = os.getpgid(server)  # the guard's (triton_guard.py)
-        while "python" not in " ".join(c.name() for c in psutil.Process(server).children()):
+        while "python" not in " ".join(name_of(c) for c in psutil.Process(server).children()):
             assert time.monotonic() < deadline, "no python backend stub started"
             time.sleep(0.1)  # a stub is loading a model: the moment the stubs used to be left behind
         p.send_signal(signal.SIGINT)
