@@ -17,6 +17,7 @@ GENERATE_EXAMPLES = """examples:
   python -m spork_trt generate "Explain TCP" --engines engines/default --draft self-int8   # ONNX Runtime
   python -m spork_trt generate "Explain TCP" --draft self-int8 --tree-width 2 --tree-depth 4 --tree-budget 8
   python -m spork_trt generate "Write a haiku about CPUs" --max-new-tokens 64 --json
+  python -m spork_trt generate "Name a color" --max-new-tokens 8 --json --logprobs 3   # each token's logprobs
   python -m spork_trt generate "Tell me a story" --temperature 0.8 --top-p 0.95 --seed 1
   python -m spork_trt generate "def fib(n):" --raw --stop "\\n\\n" --model path/to/model.gguf
   python -m spork_trt generate "Paris as JSON" --grammar json_schema:city.schema.json   # constrained, lossless
@@ -97,6 +98,9 @@ def build_parser() -> Parser:
                    help="constrain the output: json (any JSON), json_schema:FILE, regex:PATTERN or ebnf:FILE "
                    "(spork stays token-identical to constrained plain decoding)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability under the target and its K likeliest "
+                   "alternatives (0-20; the same with and without speculation)")
     from spork_trt.cli.chat import add_chat_command
     from spork_trt.cli.serving import add_serving_commands
 
@@ -203,6 +207,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from spork_trt.checkpoint.tokenizer import StreamDecoder
 
     cfg, spec = generate_config(a), spec_config(a)
+    if a.logprobs is not None and not a.json:
+        raise UserError("--logprobs needs --json (they are printed in its object)")
     if a.engines and a.model:
         raise UserError("pass --model or --engines, not both (engines already name their model)")
     if a.engines and a.device != "cpu":
@@ -228,12 +234,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if not a.json:
         dec = StreamDecoder(rt.tokenizer)
         stream = lambda ids: print(dec.feed(ids), end="", flush=True)
-    result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream, grammar=grammar)
+    result = rt.generate(prompt_ids, cfg, mode=a.mode, spec=spec, on_tokens=stream, grammar=grammar,
+                         logprobs=a.logprobs)
     if stream:
         print(dec.feed([], final=True), end="")  # a trailing incomplete character, if any
     if a.json:
+        logs = {} if result.logprobs is None else {"logprobs": [
+            {"token": x.token, "logprob": x.logprob, "top": [[t, v] for t, v in x.top]} for x in result.logprobs]}
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
-                          "stats": result.stats.to_json() | {"target": rt.target.to_json()}}))
+                          **logs, "stats": result.stats.to_json() | {"target": rt.target.to_json()}}))
     else:
         print(flush=True)
         st = result.stats

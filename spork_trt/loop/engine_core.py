@@ -330,7 +330,8 @@ class EngineCore:
         if r.sub.constraint is not None:
             r.sub.constraint.advance([*verdict.accepted, r.root])
         emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
-             accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated))
+             accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated),
+             rows=None if d.gated else at[list(verdict.path)])  # the path's rows predicted accepted + bonus
         return len(verdict.accepted) + 1
 
     def chunks(self, joining: list[Request], room: int) -> dict[Request, SeqInput]:
@@ -375,7 +376,7 @@ class EngineCore:
         if r.sub.drafter is not None:
             r.sub.drafter.reset(r.sub.prompt_ids, r.room + r.sub.spec.tree_depth, r.cache)
         r.stats.prefill_s = time.perf_counter() - r.t0
-        emit(r, [r.root], draft=0, accepted=0)
+        emit(r, [r.root], draft=0, accepted=0, rows=last)
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:

@@ -14,6 +14,7 @@ import torch
 
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.engines.kv_cache import Rows
+from spork_trt.spec.logprobs import TokenLogprob, token_logprobs
 from spork_trt.spec.scheduler import Scheduler
 from spork_trt.loop.stats import Stats
 from spork_trt.loop.stopping import StopState
@@ -38,6 +39,7 @@ class GenerationResult:
     stats: Stats
     text: str | None = None  # set when a decode function was given
     verified: list[Verified] = field(default_factory=list)  # every verified step, when the request recorded them
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked for them
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +59,7 @@ class Submission:
     record: bool = False  # keep every verified step in the Request's `verified` (calibration)
     cache_scope: str = ""  # prefix reuse only among requests of the same scope (a tenant: prefix_cache.py)
     constraint: object | None = None  # grammar.Constraint, this request's own grammar state (the core advances it)
+    logprobs: int | None = None  # each committed token's log-probability and this many alternatives (<= MAX_TOP)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names it in the logs (a client may quote it)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,8 @@ class Request:
     cancelled: bool = False  # the one field the caller sets: the request leaves at the next step, its slot freed
     stats: Stats = field(default_factory=Stats)  # filled in as the request runs
     outbox: list[int] = field(default_factory=list)  # committed tokens the caller has not taken yet
+    logbox: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: the outbox's, one per token
+    logs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: every kept token's so far
     verified: list[Verified] = field(default_factory=list)  # with `record`: every target-verified step so far
     stop: StopState | None = None
     sched: Scheduler | None = None
@@ -91,6 +96,11 @@ class Request:
         out, self.outbox = self.outbox, []
         return out
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """With `logprobs`: the log-probabilities of the tokens the last take returned, one each."""
+        out, self.logbox = self.logbox, []
+        return out
+
     @property
     def can_score(self) -> bool:
         v = self.sub.verifier
@@ -100,7 +110,8 @@ class Request:
         reason = "error" if self.error is not None else \
             "cancelled" if self.cancelled and self.stop.reason is None else self.stop.reason
         text = self.stop.text() if self.sub.decode and self.stop.reason else None
-        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified)
+        return GenerationResult(list(self.stop.tokens), reason, self.stats, text, self.verified,
+                                list(self.logs) if self.sub.logprobs is not None else None)
 
 
 def wants_hidden(r: Request) -> bool:
@@ -108,10 +119,16 @@ def wants_hidden(r: Request) -> bool:
     return r.sub.drafter is not None and r.sub.drafter.wants_hidden
 
 
-def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0) -> None:
-    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox."""
+def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0,
+         rows: torch.Tensor | None = None) -> None:
+    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox. `rows`
+    [len(committed), V]: the target's logits that predicted them (their log-probabilities, when asked for)."""
     kept = r.stop.add(committed)
     if kept:
         r.stats.record_step(draft, accepted, gated)
         r.stats.committed_tokens += len(kept)
         r.outbox += kept
+        if r.sub.logprobs is not None:
+            logs = token_logprobs(rows[:len(kept)], kept, r.sub.logprobs)
+            r.logbox += logs
+            r.logs += logs

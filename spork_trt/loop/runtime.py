@@ -39,6 +39,7 @@ from spork_trt.engines.default_target import default_target, source_path
 from spork_trt.errors import UserError
 from spork_trt.loop.generate import GenerationResult, OnTokens, run_alone
 from spork_trt.spec.grammar import Grammars, GrammarSpec
+from spork_trt.spec.logprobs import MAX_TOP
 from spork_trt.spec.sampling import make_generator
 from spork_trt.loop.stats import Stats
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer
@@ -260,14 +261,21 @@ class Runtime:
         return DRAFTERS[draft.kind](self, draft, sampling)
 
     def request(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
-                spec: SpecConfig = SpecConfig(), cache_scope: str = "", grammar: GrammarSpec | None = None) -> Submission:
+                spec: SpecConfig = SpecConfig(), cache_scope: str = "", grammar: GrammarSpec | None = None,
+                logprobs: int | None = None) -> Submission:
         """One request's submission for the engine core, with its own drafter and verifier (over the shared
         weights) and the tokenizer's decode; `cache_scope`: whose kept prefixes it may reuse (prefix_cache.py);
-        `grammar`: what its output must match (spec/grammar.py: its own grammar state)."""
+        `grammar`: what its output must match (spec/grammar.py: its own grammar state); `logprobs`: each token's
+        log-probability and this many alternatives (spec/logprobs.py)."""
         assert mode in MODES, mode
         if grammar is not None and mode == "gate":
             raise UserError("a grammar needs lossless verification: gate mode accepts what the verifier alone "
                             "scores; use --mode spork or plain")
+        if logprobs is not None and mode == "gate":
+            raise UserError("logprobs need the target's rows at every token: gate mode accepts tokens the target "
+                            "has not run; use --mode spork or plain")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP:
+            raise UserError(f"logprobs: 0 to {MAX_TOP} alternatives per token, not {logprobs}")
         constraint = self.grammars.constraint(grammar) if grammar is not None else None
         spec = self.resolve(spec)
         head = self.heads.get(spec.draft)  # a head scores only the drafter it was fitted on
@@ -276,13 +284,15 @@ class Runtime:
         scoring = mode == "gate" or (mode == "spork" and spec.verifier != "off" and head is not None)
         return Submission(prompt_ids, cfg, self.tokenizer.eos_ids, spec, drafter,
                           self.verifier(head) if scoring else None, self.tokenizer.decode, cache_scope=cache_scope,
-                          constraint=constraint)
+                          constraint=constraint, logprobs=logprobs)
 
     def generate(self, prompt_ids: list[int], cfg: GenerateConfig, mode: str = "plain",
                  spec: SpecConfig = SpecConfig(), on_tokens: OnTokens | None = None,
-                 stats: Stats | None = None, grammar: GrammarSpec | None = None) -> GenerationResult:
+                 stats: Stats | None = None, grammar: GrammarSpec | None = None,
+                 logprobs: int | None = None) -> GenerationResult:
         """One request alone (the engine core with a batch of one); `stats`, when given, filled in place."""
-        return run_alone(self.engine, self.request(prompt_ids, cfg, mode, spec, grammar=grammar), on_tokens, stats)
+        sub = self.request(prompt_ids, cfg, mode, spec, grammar=grammar, logprobs=logprobs)
+        return run_alone(self.engine, sub, on_tokens, stats)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
