@@ -271,6 +271,14 @@ SENT_LEN = TritonTensor("sent_len", "INT32", (1,))  # how many of output_ids ear
 FINAL = TritonTensor("final", "BOOL", (1,))  # last response of the request: flush held-back characters
 # the final response's stop strings (none before it): postprocessing ends its text where the first one starts
 CUT_AT = TritonTensor("cut_at", "STRING", (-1,))
+# the `spork` model's stream alone (the OpenAI API's; not the ensembles' nor the unary models'): each new token's
+# log-probability under the target and its k likeliest (spec/logprobs.py), k = `logprobs` (absent: none, all empty)
+LOGPROBS = TritonTensor("logprobs", "INT32", (1,), optional=True)
+LOGPROB_OUTPUTS = (
+    TritonTensor("output_logprobs", "FP32", (-1,)),  # [1, m]: one per token of output_ids[sent_len:]
+    TritonTensor("top_logprob_ids", "INT32", (-1, -1)),  # [1, m, k]
+    TritonTensor("top_logprobs", "FP32", (-1, -1)),  # [1, m, k], likeliest first
+)
 
 
 @dataclass(frozen=True)
@@ -283,8 +291,8 @@ class TritonStep:
 
 TRITON_STEPS = (
     TritonStep("preprocessing", (TEXT_INPUT,), (PROMPT_IDS,)),
-    TritonStep("spork", (SPORK_IDS, *REQUEST_PARAMS, CANCEL_KEY), (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT,
-                                                                    *STATS_OUTPUTS), decoupled=True),
+    TritonStep("spork", (SPORK_IDS, *REQUEST_PARAMS, CANCEL_KEY, LOGPROBS),
+               (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT, *STATS_OUTPUTS, *LOGPROB_OUTPUTS), decoupled=True),
     TritonStep("postprocessing", (OUTPUT_IDS, SENT_LEN, FINAL, CUT_AT), (TEXT_OUTPUT,)),
 )
 ENSEMBLE_INPUTS = (TEXT_INPUT, *REQUEST_PARAMS)
@@ -301,16 +309,18 @@ PYTHON_MODELS = (*(s.name for s in TRITON_STEPS), *UNARY_MODELS)  # each a trito
 
 def model_step(model: str) -> TritonStep:
     """The tensors a python model of the repository takes and gives: its step's. spork_unary's are the spork step's,
-    answered once, without cancel_key (it makes its own key per request: a client cannot send one) and with input_ids
-    required (a cancel is spork's alone); ensemble_unary's are the ensemble's, answered once."""
+    answered once, without cancel_key (it makes its own key per request: a client cannot send one), with input_ids
+    required (a cancel is spork's alone) and without logprobs (the stream's alone); ensemble_unary's are the
+    ensemble's, answered once."""
     steps = {s.name: s for s in TRITON_STEPS}
     if model == "ensemble_unary":
         return TritonStep(model, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)
     if model != "spork_unary":
         return steps[model]
     spork = steps["spork"]
-    inputs = tuple(PROMPT_IDS if t == SPORK_IDS else t for t in spork.inputs if t != CANCEL_KEY)
-    return replace(spork, name=model, inputs=inputs, decoupled=False)
+    inputs = tuple(PROMPT_IDS if t == SPORK_IDS else t for t in spork.inputs if t not in (CANCEL_KEY, LOGPROBS))
+    outputs = tuple(t for t in spork.outputs if t not in LOGPROB_OUTPUTS)
+    return replace(spork, name=model, inputs=inputs, outputs=outputs, decoupled=False)
 
 
 def error_kind(message: str) -> str:

@@ -96,7 +96,7 @@ def reference(default_engines):
         r = rt.generate(ids, GenerateConfig(max_new_tokens=max_tokens), grammar=grammar)
         return r.text, r.token_ids
 
-    run.tok = rt.tokenizer
+    run.tok, run.rt = rt.tokenizer, rt
     return run
 
 
@@ -207,7 +207,10 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content"),
         ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": 1}, 400, "logprobs"),
+        ("/v1/completions", {"model": model, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ("/v1/chat/completions", {**chat, "logit_bias": {"42": 5}}, 400, "logit_bias"),
         ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, 400, "response_format"),
@@ -297,6 +300,39 @@ def test_a_second_turn_reuses_the_first_and_the_chat_cli_shows_it(api, client, r
     assert chat.returncode == 0, chat.stderr
     reused = [int(line.split("of which ")[1].split()[0]) for line in chat.stderr.splitlines() if "of which" in line]
     assert len(reused) == 2 and reused[1] >= len(first_ids) and chat.stdout.count("\n") >= 2
+
+
+@slow
+def test_logprobs_are_the_targets_streamed_or_not_spork_or_plain(api, client, reference):
+    """chat logprobs + top_logprobs through Triton: per token the local plain decoding's log-probabilities (to fp32
+    rounding), in spork and plain, streamed and not; the tokens spell the text; completions' legacy shape too."""
+    from spork_trt.config import GenerateConfig
+
+    _, model, _ = api
+    for prompt in mt_bench_prompts(4):
+        ids = reference.tok.encode_prompt(prompt)
+        want = reference.rt.generate(ids, GenerateConfig(max_new_tokens=24), logprobs=3)
+        kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
+                  logprobs=True, top_logprobs=3)
+        for mode in ("spork", "plain"):
+            r = client.chat.completions.create(**kw, extra_body={"spec_mode": mode})
+            got = r.choices[0].logprobs.content
+            assert [g.token for g in got] == [reference.tok.token_bytes(t).decode("utf-8", "replace")
+                                              for t in want.token_ids]
+            assert "".join(bytes(g.bytes).decode("utf-8", "replace") for g in got) == want.text
+            for g, w in zip(got, want.logprobs, strict=True):
+                assert abs(g.logprob - w.logprob) <= 2e-6
+                assert all(abs(a.logprob - v) <= 2e-6 for a, (_, v) in zip(g.top_logprobs, w.top, strict=True))
+        chunks = client.chat.completions.create(**kw, stream=True)
+        streamed_lp = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                       for x in c.choices[0].logprobs.content]
+        assert len(streamed_lp) == len(want.token_ids)
+        assert all(abs(a - w.logprob) <= 2e-6 for a, w in zip(streamed_lp, want.logprobs))
+    c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
+    assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
 
 
 @slow

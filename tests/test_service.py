@@ -39,6 +39,8 @@ def one(value, dtype):
     ("timeout_s", one(0.0, np.float32), "timeout_s must be in (0, 600]"),
     ("timeout_s", one(np.nan, np.float32), "timeout_s must be in (0, 600]"),
     ("timeout_s", one(601.0, np.float32), "timeout_s must be in (0, 600] seconds (this server's longest)"),
+    ("logprobs", one(21, np.int32), "logprobs must be 0 to 20"),
+    ("logprobs", one(-1, np.int32), "logprobs must be 0 to 20"),
 ])
 def test_bad_request_names_the_field(field, value, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -117,6 +119,20 @@ def test_a_chunk_carries_the_counts_and_the_final_one_the_stop_strings():
     assert t["num_input_tokens"].tolist() == [[9]] and t["num_output_tokens"].tolist() == [[3]]  # 3 new ones
     assert t["cut_at"].tolist() == [[b"a", b"bc"]] and t["stop_reason"].tolist() == [[b"stop_string"]]
     assert Chunk([1], 0, False, Stats(), "", 9).tensors()["cut_at"].shape == (1, 0)
+    empty = Chunk([1], 0, False, Stats(), "", 9).tensors()  # no logprobs asked for: empty, every shape kept
+    assert [empty[k].shape for k in ("output_logprobs", "top_logprob_ids", "top_logprobs")] == [(1, 0), (1, 0, 0),
+                                                                                              (1, 0, 0)]
+
+
+def test_a_chunk_carries_the_logprobs_of_its_new_tokens():
+    from spork_trt.loop.stats import Stats
+    from spork_trt.spec.logprobs import TokenLogprob
+
+    logs = (TokenLogprob(4, -0.5, ((4, -0.5), (9, -1.5))), TokenLogprob(5, -2.0, ((7, -0.25), (5, -2.0))))
+    t = Chunk([3, 4, 5], 1, False, Stats(), "", 9, logprobs=logs, top=2).tensors()
+    assert t["output_logprobs"].tolist() == [[-0.5, -2.0]]
+    assert t["top_logprob_ids"].tolist() == [[[4, 9], [7, 5]]] and t["top_logprobs"].tolist() == [[[-0.5, -1.5],
+                                                                                                  [-0.25, -2.0]]]
 
 
 def test_defaults_and_limits():

@@ -6,6 +6,7 @@ only saves time, it never changes a token.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -64,6 +65,21 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token adds to the text (a part of a character for some: OpenAI's logprobs `bytes`). A
+        byte-level BPE vocabulary maps each byte to one printable character (GPT-2's table); a SentencePiece one
+        spells raw bytes <0xNN> and spaces as U+2581."""
+        text = self.hf.decode([token], skip_special_tokens=True)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.hf.convert_ids_to_tokens(token)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        table = byte_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode()
+
     @cached_property
     def longest_token_bytes(self) -> int:
         """The most UTF-8 bytes one token decodes to."""
@@ -78,6 +94,21 @@ class Tokenizer:
         """Write tokenizer files (tokenizer.json, tokenizer_config.json, ...) into `out`."""
         out.mkdir(parents=True, exist_ok=True)
         return [Path(p) for p in self.hf.save_pretrained(str(out))]
+
+
+@functools.cache
+def byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (each of the 256 bytes has one printable character)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def text_delta(tok: Tokenizer, ids: list[int], sent: int, final: bool) -> str:

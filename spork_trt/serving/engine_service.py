@@ -25,6 +25,7 @@ from spork_trt.loop.request import Request, Submission
 from spork_trt.loop.runtime import Runtime
 from spork_trt.serving.request_tensors import Inputs, Limits, cancel_key, is_cancel, parse_request
 from spork_trt.loop.stats import Stats
+from spork_trt.spec.logprobs import TokenLogprob
 
 log = logging.getLogger("spork_trt.serving.engine_service")
 # tokens already sent that a response repeats before its new ones: enough to finish a multi-byte character split
@@ -46,6 +47,8 @@ class Chunk:
     stop_reason: str  # "" until final
     prompt_len: int  # the prompt's tokens
     cut_at: tuple[str, ...] = ()  # the request's stop strings, on the final response: its text ends at the first
+    logprobs: tuple[TokenLogprob, ...] = ()  # with the request's `logprobs`: one per token of output_ids[sent_len:]
+    top: int = 0  # alternatives per token (the request's `logprobs`)
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Output tensors with the batch dim, named as in io_spec."""
@@ -62,9 +65,18 @@ class Chunk:
                   "stop_reason": np.array([[self.stop_reason.encode()]], np.object_),
                   "num_input_tokens": np.array([[self.prompt_len]], np.int32),
                   "num_output_tokens": np.array([[len(self.output_ids) - self.sent_len]], np.int32)}
+        values |= logprob_tensors(self.logprobs, self.top)
         spork = next(s for s in io_spec.TRITON_STEPS if s.name == "spork")
         assert list(values) == [t.name for t in spork.outputs]
         return values
+
+
+def logprob_tensors(logs: tuple[TokenLogprob, ...], k: int) -> dict[str, np.ndarray]:
+    """io_spec.LOGPROB_OUTPUTS of a response: [1, m], [1, m, k], [1, m, k] (m = 0 without logprobs)."""
+    ids = np.array([[[t for t, _ in x.top] for x in logs]], np.int32).reshape(1, len(logs), k)
+    values = np.array([[[v for _, v in x.top] for x in logs]], np.float32).reshape(1, len(logs), k)
+    return {"output_logprobs": np.array([[x.logprob for x in logs]], np.float32).reshape(1, len(logs)),
+            "top_logprob_ids": ids, "top_logprobs": values}
 
 
 @dataclass(eq=False)
@@ -83,6 +95,7 @@ class Ticket:
     key: str | None = None  # its cancel_key (the unary models' requests)
     expired: bool = False  # the deadline passed: it leaves the core, answered with what it generated
     generated: list[int] = field(default_factory=list)  # every token sent or to send
+    logs: list[TokenLogprob] = field(default_factory=list)  # with logprobs: one per token of `generated`
     sent: int = 0  # tokens the previous responses carried
     request: Request | None = None  # the core's state of `sub` (EngineCore.add, on the loop's thread); None before
 
@@ -95,7 +108,8 @@ class Ticket:
             return None
         start = max(0, self.sent - DETOKENIZE_CONTEXT)
         c = Chunk(self.generated[start:end], self.sent - start, final, stats, stop_reason,
-                  len(self.sub.prompt_ids), self.sub.cfg.stop_strings if final else ())
+                  len(self.sub.prompt_ids), self.sub.cfg.stop_strings if final else (),
+                  tuple(self.logs[self.sent:end]), self.sub.logprobs or 0)
         self.sent = end
         return c
 
@@ -202,7 +216,7 @@ class Service:
         work."""
         req = parse_request(inputs, self.limits, can_stream)
         sub = self.runtime.request(req.prompt_ids, req.cfg, mode=req.mode, spec=self.spec, cache_scope=req.cache_scope,
-                                   grammar=req.grammar)
+                                   grammar=req.grammar, logprobs=req.logprobs)
         ticket = Ticket(sub, req.stream, send, fail, close, cancelled, time.monotonic() + req.timeout_s,
                         req.cancel_key)
         with self._wake:
@@ -355,6 +369,7 @@ class Service:
         """Send one request what this step gave it; returns its new tokens."""
         new = req.take()
         t.generated += new
+        t.logs += req.take_logprobs()
         if req.error is not None:  # the core failed it alone and logged the detail under its id
             self._end(req)
             deliver(t, t.fail, InternalError(req.sub.id))

@@ -18,6 +18,7 @@ from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import FieldError, UserError
 from spork_trt.io_spec import REQUEST_FIELDS, request_config
 from spork_trt.spec.grammar import GrammarSpec, parse_grammar
+from spork_trt.spec.logprobs import MAX_TOP
 
 Inputs = Mapping[str, "np.ndarray | None"]
 
@@ -32,6 +33,7 @@ class ServeRequest:
     cancel_key: str | None = None  # a cancel carrying it ends the request (the unary models'; cancel_board.py)
     cache_scope: str = ""  # prefix reuse only among requests with the same one (prefix_cache.py)
     grammar: GrammarSpec | None = None  # what the output must match (spec/grammar.py)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (spec/logprobs.py)
 
 
 def scalar(inputs: Inputs, name: str, kind: type, default):
@@ -144,5 +146,8 @@ def parse_request(inputs: Inputs, limits: Limits, can_stream: bool = True) -> Se
     grammar = scalar(inputs, "grammar", str, None)
     if grammar is not None and len(grammar.encode()) > io_spec.MAX_GRAMMAR_BYTES:
         raise UserError(f"grammar must be at most {io_spec.MAX_GRAMMAR_BYTES} bytes, got {len(grammar.encode())}")
+    logprobs = scalar(inputs, io_spec.LOGPROBS.name, int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP:
+        raise UserError(f"logprobs must be 0 to {MAX_TOP} (alternatives per token), got {logprobs}")
     return ServeRequest(prompt_ids, replace(cfg, max_new_tokens=size.max_new), mode, stream, timeout,
-                        cancel_key(inputs), scope, None if grammar is None else parse_grammar(grammar))
+                        cancel_key(inputs), scope, None if grammar is None else parse_grammar(grammar), logprobs)

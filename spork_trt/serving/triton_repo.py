@@ -98,6 +98,7 @@ def ensemble_config():
     c = model_config(io_spec.ENSEMBLE, io_spec.ENSEMBLE_INPUTS, io_spec.ENSEMBLE_OUTPUTS, platform="ensemble")
     client = {t.name for t in io_spec.ENSEMBLE_INPUTS + io_spec.ENSEMBLE_OUTPUTS}
     given = {t.name for t in io_spec.ENSEMBLE_INPUTS}  # what a step's inputs can be: these and earlier steps' outputs
+    used = client | {t.name for step in io_spec.TRITON_STEPS for t in step.inputs}  # an output nobody reads: unmapped
     for step in io_spec.TRITON_STEPS:
         s = c.ensemble_scheduling.step.add(model_name=step.name, model_version=-1)
         for t in step.inputs:  # between steps an internal name; client-facing ones keep theirs
@@ -106,6 +107,8 @@ def ensemble_config():
             else:  # only another model sends it (cancel_key: the unary models')
                 assert t.optional, t
         for t in step.outputs:
+            if t.name not in used:  # spork's logprobs: its own stream's (io_spec.LOGPROB_OUTPUTS)
+                continue
             s.output_map[t.name] = t.name if t.name in client else "_" + t.name
             given.add(t.name)
     return c

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from spork_trt import io_spec
 from spork_trt.serving.cancel_board import new_key
 
-SPORK_OUTPUTS = [t.name for t in io_spec.model_step("spork").outputs]
+SPORK_OUTPUTS = [t.name for t in io_spec.model_step("spork_unary").outputs]  # spork's, less its stream's logprobs
 CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}  # names in pb_utils.TritonError
 POLL_S = 0.2  # how often a waiting request's cancellation is checked
 DRAIN_S = 10.0  # how long a cancelled request's spork stream may take to end (spork ends it at its next step)

@@ -12,12 +12,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from spork_trt.checkpoint.tokenizer import Tokenizer
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
 from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large, unavailable
 from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
-from spork_trt.serving.openai_api.params import CHAT, COMPLETION, parse_job
+from spork_trt.serving.openai_api.params import CHAT, COMPLETION, Job, parse_job
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
 
 log = logging.getLogger("spork_trt.serving.openai_api")
@@ -120,9 +121,9 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
         stream = Stream(state["client"], job, model.tokenizer)
         events = answer(stream)
         if not job.stream:
-            return await until_disconnected(request, whole(head, events, len(job.prompt_ids)), stream)
+            return await until_disconnected(request, whole(head, events, job, model.tokenizer), stream)
         first = await until_disconnected(request, anext(events), stream)  # errors before any byte: a JSON error
-        return StreamingResponse(sse(head, first, events, stream, job.include_usage, len(job.prompt_ids)),
+        return StreamingResponse(sse(head, first, events, stream, job, model.tokenizer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
@@ -133,21 +134,28 @@ def model_card(model: ServedModel) -> dict:
             "context_window": model.context}
 
 
-async def whole(head: rs.Head, events, prompt_tokens: int) -> JSONResponse:
-    text = []
+async def whole(head: rs.Head, events, job: Job, tok: Tokenizer) -> JSONResponse:
+    text, logs = [], []
     async for e in events:
+        logs += e.logprobs
         if isinstance(e, End):
+            lp = None if job.logprobs is None else rs.logprobs_field(head.kind, tuple(logs[:e.completion_tokens]), tok)
             return JSONResponse(rs.whole(head, "".join(text), e.finish_reason,
-                                         rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
-        text.append(e)
+                                         rs.usage(len(job.prompt_ids), e.completion_tokens, e.stats), e.stats, lp))
+        text.append(e.text)
     raise AssertionError("answer() ends with an End")
 
 
-async def sse(head: rs.Head, first, events, stream: Stream, include_usage: bool, prompt_tokens: int):
+async def sse(head: rs.Head, first, events, stream: Stream, job: Job, tok: Tokenizer):
     """Server-sent events; the generator is cancelled (closed) when the client goes away, which cancels the
     gRPC stream."""
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
+
+    include_usage, offset = job.include_usage, 0
+
+    def logs(e) -> dict | None:
+        return None if job.logprobs is None else rs.logprobs_field(head.kind, e.logprobs, tok, offset)
 
     try:
         if head.kind == CHAT:  # the assistant's role first, as OpenAI streams it
@@ -155,14 +163,16 @@ async def sse(head: rs.Head, first, events, stream: Stream, include_usage: bool,
         e = first
         while True:
             if isinstance(e, End):
-                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage)
+                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage, logprobs=logs(e))
                 final["metrics"] = rs.metrics(e.stats)
                 yield data(final)
                 if include_usage:
-                    yield data(rs.usage_chunk(head, rs.usage(prompt_tokens, e.completion_tokens, e.stats), e.stats))
+                    use = rs.usage(len(job.prompt_ids), e.completion_tokens, e.stats)
+                    yield data(rs.usage_chunk(head, use, e.stats))
                 yield "data: [DONE]\n\n"
                 return
-            yield data(rs.chunk(head, e, with_usage=include_usage))
+            yield data(rs.chunk(head, e.text, with_usage=include_usage, logprobs=logs(e)))
+            offset += len(e.text)
             e = await anext(events)
     except ApiError as err:  # after the headers went out: the error as the stream's last event
         yield data(err.body())

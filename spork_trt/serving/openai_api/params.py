@@ -19,7 +19,7 @@ from spork_trt.spec.grammar import GrammarSpec
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
 DEFAULT_ONLY: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0), "top_logprobs": (0,),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "store": (False,),
@@ -27,9 +27,10 @@ DEFAULT_ONLY: dict[str, tuple] = {
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", "cache_salt", "response_format", *SAMPLING},
+                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", *SAMPLING},
           COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
-                       "response_format", *SAMPLING}}
+                       "response_format", "logprobs", *SAMPLING}}
+MAX_TOP_CHAT, MAX_TOP_COMPLETION = 20, 5  # OpenAI's bounds: top_logprobs (chat), logprobs (completions)
 MAX_SALT = 256  # characters of a cache_salt
 MAX_MESSAGES = 4096  # messages in one chat request
 MAX_PARTS = 256  # text parts in one message's content
@@ -45,6 +46,7 @@ class Job:
     spec_mode: str = SERVED_MODES[0]  # extension, as the Triton input: spork or plain (the baseline, same text)
     cache_scope: str = ""  # prefix reuse only among requests of one tenant and cache_salt (cache_scope())
     grammar: GrammarSpec | None = None  # response_format's: what the output must match (spec/grammar.py)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked for)
 
 
 def cache_scope(tenant: str, salt: str | None) -> str:
@@ -108,7 +110,27 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
         raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     grammar = response_format(body.get("response_format"), model)
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
-               mode, cache_scope(tenant, salt), grammar)
+               mode, cache_scope(tenant, salt), grammar, logprobs(body, kind))
+
+
+def logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token, or None: chat's `logprobs` (true|false) and `top_logprobs` (0-20, with logprobs);
+    completions' `logprobs` (0-5, the legacy field; null: none)."""
+    def count(key: str, most: int) -> int | None:
+        value = body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+            raise bad_request(key, f"{key} must be an integer from 0 to {most}, got {value!r}")
+        return value
+    if kind == COMPLETION:
+        return count("logprobs", MAX_TOP_COMPLETION)
+    top = count("top_logprobs", MAX_TOP_CHAT)
+    if not flag(body, "logprobs"):
+        if top:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    return top or 0
 
 
 FORMATS = {"json_object": "json", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}  # type -> kind

@@ -2,11 +2,14 @@
 extension field `metrics.speculative_decoding`."""
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass
 
+from spork_trt.checkpoint.tokenizer import Tokenizer
 from spork_trt.serving.openai_api.params import CHAT
+from spork_trt.spec.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -44,23 +47,43 @@ def metrics(stats: dict[str, float]) -> dict:
         "steps": int(stats.get("num_steps", 0))}}
 
 
-def choice(head: Head, text: str | None, finish: str | None, chunk: bool, first: bool = False) -> dict:
+def choice(head: Head, text: str | None, finish: str | None, chunk: bool, first: bool = False,
+           logprobs: dict | None = None) -> dict:
+    """`logprobs`: the tokens' (logprobs_field), None when not asked for."""
     if head.kind != CHAT:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not chunk:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     delta = ({"role": "assistant", "content": text or ""} if first else {"content": text} if text else {})
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def whole(head: Head, text: str, finish: str, use: dict, stats: dict) -> dict:
-    return {**head.fields(), "choices": [choice(head, text, finish, False)], "usage": use, "metrics": metrics(stats)}
+def logprobs_field(kind: str, logs: tuple[TokenLogprob, ...], tok: Tokenizer, offset: int = 0) -> dict:
+    """OpenAI's logprobs object for these tokens: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+    completions' {tokens, token_logprobs, top_logprobs, text_offset} (`offset`: characters of text before them).
+    Alternatives a grammar forbids (probability 0) are left out."""
+    def entry(t: int, v: float) -> dict:
+        b = tok.token_bytes(t)
+        return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
+    if kind == CHAT:
+        return {"content": [entry(x.token, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top
+                                                                          if v > -math.inf]} for x in logs]}
+    tokens = [tok.token_bytes(x.token).decode("utf-8", "replace") for x in logs]
+    offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in logs], "text_offset": offsets,
+            "top_logprobs": [{tok.token_bytes(t).decode("utf-8", "replace"): v for t, v in x.top if v > -math.inf}
+                             for x in logs]}
+
+
+def whole(head: Head, text: str, finish: str, use: dict, stats: dict, logprobs: dict | None = None) -> dict:
+    return {**head.fields(), "choices": [choice(head, text, finish, False, logprobs=logprobs)], "usage": use,
+            "metrics": metrics(stats)}
 
 
 def chunk(head: Head, text: str | None, finish: str | None = None, first: bool = False,
-          with_usage: bool = False) -> dict:
-    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first)]}
+          with_usage: bool = False, logprobs: dict | None = None) -> dict:
+    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first, logprobs)]}
     if with_usage:
         out["usage"] = None
     return out

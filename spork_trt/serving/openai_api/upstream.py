@@ -13,6 +13,7 @@ from spork_trt.checkpoint.tokenizer import Tokenizer, text_delta
 from spork_trt.serving.openai_api.errors import ApiError, unavailable
 from spork_trt.serving.openai_api.params import Job
 from spork_trt.spec.grammar import grammar_text
+from spork_trt.spec.logprobs import TokenLogprob
 
 MODEL = "spork"
 
@@ -26,6 +27,7 @@ class Piece:
     stats: dict[str, float]
     stop_reason: str  # "" until the final response: eos | max_tokens | stop_string
     final: bool
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with the job's logprobs: one per new token
 
 
 @dataclass
@@ -79,7 +81,19 @@ class Stream:
                   "num_steps", "cached_tokens")}
         reason = result.as_numpy("stop_reason").reshape(-1)[0]
         return Piece(text_delta(self.tok, window, sent, final), self.ids, stats,
-                     reason.decode() if isinstance(reason, bytes) else str(reason), final)
+                     reason.decode() if isinstance(reason, bytes) else str(reason), final, logprobs(result))
+
+
+def logprobs(result) -> list[TokenLogprob]:
+    """A response's io_spec.LOGPROB_OUTPUTS: [1, m], [1, m, k], [1, m, k] -> m TokenLogprob (none without)."""
+    lp = result.as_numpy("output_logprobs").reshape(-1)  # [m]
+    m = lp.shape[0]
+    ids = result.as_numpy("top_logprob_ids").reshape(m, -1) if m else None  # [m, k]
+    top = result.as_numpy("top_logprobs").reshape(m, -1) if m else None
+    window = [int(i) for i in result.as_numpy("output_ids").reshape(-1)]
+    new = window[int(result.as_numpy("sent_len").reshape(-1)[0]):]
+    return [TokenLogprob(new[i], float(lp[i]), tuple(zip(ids[i].tolist(), map(float, top[i].tolist()))))
+            for i in range(m)]
 
 
 def upstream_error(message: str) -> ApiError:
@@ -104,6 +118,8 @@ def inputs(job: Job) -> list:
               "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
     if job.grammar is not None:
         values["grammar"] = (np.array([[grammar_text(job.grammar).encode()]], np.object_), "BYTES")
+    if job.logprobs is not None:
+        values["logprobs"] = (np.array([[job.logprobs]], np.int32), "INT32")
     if job.cache_scope:
         values["cache_scope"] = (np.array([[job.cache_scope.encode()]], np.object_), "BYTES")
     if s.seed is not None:
