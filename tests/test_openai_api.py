@@ -206,7 +206,9 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content"),
-        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "n": 17}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "n": True}, 400, "n"),
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "logprobs": 1}, 400, "logprobs"),
@@ -249,7 +251,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=hi)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=hi, n=3)
+        client.chat.completions.create(model=model, messages=hi, n=17)  # past this server's cap
     assert e.value.body["param"] == "n"
     r = client.chat.completions.create(model=model, messages=hi, max_tokens=8)  # still serving
     assert r.choices[0].message.content and r.usage.completion_tokens <= 8
@@ -333,6 +335,32 @@ def test_logprobs_are_the_targets_streamed_or_not_spork_or_plain(api, client, re
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
     assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+@slow
+def test_n_choices_greedy_identical_sampled_each_its_own_seed(api, client, reference):
+    """n greedy choices are n copies of the greedy answer; n sampled choices with a seed are each the one-choice
+    answer with seed + i (reproducible), streamed or not; usage counts every choice's tokens."""
+    _, model, _ = api
+    messages = [{"role": "user", "content": "Write one sentence about a cat."}]
+    kw = dict(model=model, messages=messages, max_tokens=16)
+    want, want_ids = reference(reference.tok.encode_prompt(messages[0]["content"]), 16)
+    r = client.chat.completions.create(**kw, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.message.content for c in r.choices} == {want}
+    assert r.usage.completion_tokens == 3 * len(want_ids)
+    sampled = client.chat.completions.create(**kw, temperature=1.0, seed=11, n=3)
+    ones = [client.chat.completions.create(**kw, temperature=1.0, seed=11 + i) for i in range(3)]
+    alone = [o.choices[0].message.content for o in ones]
+    assert [c.message.content for c in sampled.choices] == alone and len(set(alone)) > 1  # each its own stream
+    assert sampled.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    texts, finishes = ["", "", ""], [None] * 3
+    for c in client.chat.completions.create(**kw, temperature=1.0, seed=11, n=3, stream=True):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == alone and all(finishes)
+    done = client.completions.create(model=model, prompt="One, two,", max_tokens=8, temperature=0.7, seed=3, n=2)
+    assert [c.index for c in done.choices] == [0, 1]
 
 
 @slow

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from spork_trt.checkpoint.tokenizer import Tokenizer
 from spork_trt.serving.openai_api import responses as rs
 from spork_trt.serving.openai_api.answer import End, answer
+from spork_trt.serving.openai_api.choices import choice_jobs, copies, merged
 from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large, unavailable
 from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
@@ -118,12 +119,17 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
         finally:
             state["parsing"] -= 1
         head = rs.Head.new(kind, model.name)
-        stream = Stream(state["client"], job, model.tokenizer)
-        events = answer(stream)
+        jobs = choice_jobs(job)
+        streams = [Stream(state["client"], j, model.tokenizer) for j in jobs]
+        events = merged([answer(s) for s in streams], copies(job, jobs))  # (choice index, event)
         if not job.stream:
-            return await until_disconnected(request, whole(head, events, job, model.tokenizer), stream)
-        first = await until_disconnected(request, anext(events), stream)  # errors before any byte: a JSON error
-        return StreamingResponse(sse(head, first, events, stream, job, model.tokenizer),
+            try:
+                return await until_disconnected(request, whole(head, events, job, model.tokenizer), streams)
+            finally:  # one choice failed, or all ended: none is left running
+                for s in streams:
+                    s.cancel()
+        first = await until_disconnected(request, anext(events), streams)  # errors before any byte: a JSON error
+        return StreamingResponse(sse(head, first, events, streams, job, model.tokenizer),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
@@ -135,53 +141,61 @@ def model_card(model: ServedModel) -> dict:
 
 
 async def whole(head: rs.Head, events, job: Job, tok: Tokenizer) -> JSONResponse:
-    text, logs = [], []
-    async for e in events:
-        logs += e.logprobs
+    """Every choice's text, finish and logprobs, by index; usage counts every choice's tokens (as OpenAI's)."""
+    texts, logs, ends = [[] for _ in range(job.n)], [[] for _ in range(job.n)], [None] * job.n
+    async for i, e in events:
+        logs[i] += e.logprobs
         if isinstance(e, End):
-            lp = None if job.logprobs is None else rs.logprobs_field(head.kind, tuple(logs[:e.completion_tokens]), tok)
-            return JSONResponse(rs.whole(head, "".join(text), e.finish_reason,
-                                         rs.usage(len(job.prompt_ids), e.completion_tokens, e.stats), e.stats, lp))
-        text.append(e.text)
-    raise AssertionError("answer() ends with an End")
+            ends[i] = e
+        else:
+            texts[i].append(e.text)
+    choices = [rs.choice(head, "".join(texts[i]), e.finish_reason, False, index=i, logprobs=None if job.logprobs
+                         is None else rs.logprobs_field(head.kind, tuple(logs[i][:e.completion_tokens]), tok))
+               for i, e in enumerate(ends)]
+    use = rs.usage(len(job.prompt_ids), sum(e.completion_tokens for e in ends), ends[0].stats)
+    return JSONResponse(rs.whole(head, choices, use, ends[0].stats))
 
 
-async def sse(head: rs.Head, first, events, stream: Stream, job: Job, tok: Tokenizer):
-    """Server-sent events; the generator is cancelled (closed) when the client goes away, which cancels the
-    gRPC stream."""
+async def sse(head: rs.Head, first, events, streams: list[Stream], job: Job, tok: Tokenizer):
+    """Server-sent events, each choice's chunks by its index as they come; the generator is cancelled (closed) when
+    the client goes away, which cancels the gRPC streams."""
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    include_usage, offset = job.include_usage, 0
+    include_usage, offsets, tokens = job.include_usage, [0] * job.n, 0
 
-    def logs(e) -> dict | None:
-        return None if job.logprobs is None else rs.logprobs_field(head.kind, e.logprobs, tok, offset)
+    def logs(i: int, e) -> dict | None:
+        return None if job.logprobs is None else rs.logprobs_field(head.kind, e.logprobs, tok, offsets[i])
 
     try:
         if head.kind == CHAT:  # the assistant's role first, as OpenAI streams it
-            yield data(rs.chunk(head, "", first=True, with_usage=include_usage))
-        e = first
+            for i in range(job.n):
+                yield data(rs.chunk(head, "", first=True, with_usage=include_usage, index=i))
+        (i, e), ended = first, 0
         while True:
             if isinstance(e, End):
-                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage, logprobs=logs(e))
+                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage, logprobs=logs(i, e), index=i)
                 final["metrics"] = rs.metrics(e.stats)
                 yield data(final)
-                if include_usage:
-                    use = rs.usage(len(job.prompt_ids), e.completion_tokens, e.stats)
-                    yield data(rs.usage_chunk(head, use, e.stats))
-                yield "data: [DONE]\n\n"
-                return
-            yield data(rs.chunk(head, e.text, with_usage=include_usage, logprobs=logs(e)))
-            offset += len(e.text)
-            e = await anext(events)
+                ended, tokens = ended + 1, tokens + e.completion_tokens
+                if ended == job.n:
+                    if include_usage:
+                        yield data(rs.usage_chunk(head, rs.usage(len(job.prompt_ids), tokens, e.stats), e.stats))
+                    yield "data: [DONE]\n\n"
+                    return
+            else:
+                yield data(rs.chunk(head, e.text, with_usage=include_usage, logprobs=logs(i, e), index=i))
+                offsets[i] += len(e.text)
+            i, e = await anext(events)
     except ApiError as err:  # after the headers went out: the error as the stream's last event
         yield data(err.body())
     finally:
-        stream.cancel()
+        for s in streams:
+            s.cancel()
 
 
-async def until_disconnected(request: Request, work, stream: Stream):
-    """Await `work`, cancelling it and the gRPC stream if the client goes away first."""
+async def until_disconnected(request: Request, work, streams: list[Stream]):
+    """Await `work`, cancelling it and the gRPC streams if the client goes away first."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -191,7 +205,8 @@ async def until_disconnected(request: Request, work, stream: Stream):
             if await request.is_disconnected():
                 log.info("client went away: cancelling its request")
                 task.cancel()
-                stream.cancel()
+                for s in streams:
+                    s.cancel()
                 raise ApiError(499, "the client closed the request", None, "client_closed")
     finally:
         if not task.done():

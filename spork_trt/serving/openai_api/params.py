@@ -19,7 +19,7 @@ from spork_trt.spec.grammar import GrammarSpec
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
 DEFAULT_ONLY: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "store": (False,),
@@ -27,9 +27,10 @@ DEFAULT_ONLY: dict[str, tuple] = {
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", *SAMPLING},
+                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", "n", *SAMPLING},
           COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
-                       "response_format", "logprobs", *SAMPLING}}
+                       "response_format", "logprobs", "n", *SAMPLING}}
+MAX_N = 16  # choices per request (each sampled one is a request of its own)
 MAX_TOP_CHAT, MAX_TOP_COMPLETION = 20, 5  # OpenAI's bounds: top_logprobs (chat), logprobs (completions)
 MAX_SALT = 256  # characters of a cache_salt
 MAX_MESSAGES = 4096  # messages in one chat request
@@ -47,6 +48,7 @@ class Job:
     cache_scope: str = ""  # prefix reuse only among requests of one tenant and cache_salt (cache_scope())
     grammar: GrammarSpec | None = None  # response_format's: what the output must match (spec/grammar.py)
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked for)
+    n: int = 1  # choices (choices.py)
 
 
 def cache_scope(tenant: str, salt: str | None) -> str:
@@ -110,7 +112,16 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
         raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     grammar = response_format(body.get("response_format"), model)
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
-               mode, cache_scope(tenant, salt), grammar, logprobs(body, kind))
+               mode, cache_scope(tenant, salt), grammar, logprobs(body, kind), choices(body))
+
+
+def choices(body: dict) -> int:
+    value = body.get("n", 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_N:
+        raise bad_request("n", f"n must be an integer from 1 to {MAX_N} (this server's most choices), got {value!r}")
+    return value
 
 
 def logprobs(body: dict, kind: str) -> int | None:

@@ -48,15 +48,15 @@ def metrics(stats: dict[str, float]) -> dict:
 
 
 def choice(head: Head, text: str | None, finish: str | None, chunk: bool, first: bool = False,
-           logprobs: dict | None = None) -> dict:
-    """`logprobs`: the tokens' (logprobs_field), None when not asked for."""
+           logprobs: dict | None = None, index: int = 0) -> dict:
+    """`logprobs`: the tokens' (logprobs_field), None when not asked for; `index`: which of the n choices."""
     if head.kind != CHAT:
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not chunk:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     delta = ({"role": "assistant", "content": text or ""} if first else {"content": text} if text else {})
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def logprobs_field(kind: str, logs: tuple[TokenLogprob, ...], tok: Tokenizer, offset: int = 0) -> dict:
@@ -76,14 +76,14 @@ def logprobs_field(kind: str, logs: tuple[TokenLogprob, ...], tok: Tokenizer, of
                              for x in logs]}
 
 
-def whole(head: Head, text: str, finish: str, use: dict, stats: dict, logprobs: dict | None = None) -> dict:
-    return {**head.fields(), "choices": [choice(head, text, finish, False, logprobs=logprobs)], "usage": use,
-            "metrics": metrics(stats)}
+def whole(head: Head, choices: list[dict], use: dict, stats: dict) -> dict:
+    """`choices`: choice(...) of each, by index; `stats`: the first choice's (its speculative metrics)."""
+    return {**head.fields(), "choices": choices, "usage": use, "metrics": metrics(stats)}
 
 
 def chunk(head: Head, text: str | None, finish: str | None = None, first: bool = False,
-          with_usage: bool = False, logprobs: dict | None = None) -> dict:
-    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first, logprobs)]}
+          with_usage: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
+    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first, logprobs, index)]}
     if with_usage:
         out["usage"] = None
     return out
