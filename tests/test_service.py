@@ -316,6 +316,7 @@ def test_cancelled_request_stops_and_sends_nothing_more(service, default_tokeniz
     assert not done and len(chunks) == 2 and not chunks[-1].final and service.active == 0
 
 
+@pytest.mark.slow  # the session's default build (about a minute)
 @pytest.mark.parametrize("draft", ["eagle", "store-eagle"])
 def test_loading_refuses_a_drafter_the_build_lacks_in_one_line(default_engines, draft):
     """The server's model fails at load, not on its first request: a default build has a datastore, no head."""
