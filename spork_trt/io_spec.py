@@ -17,6 +17,7 @@ Two attention layouts (`attention`), chosen at export:
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -233,11 +234,40 @@ def request_config(values: Mapping[str, object], name: Callable[[RequestField], 
     a bad one raises the config's error with the field spelled as this front end spells it (`name`)."""
     given = {k: v for k, v in values.items() if v is not None}
     assert set(given) <= set(FIELDS), set(given) - set(FIELDS)
+    for key, value in given.items():
+        fits_tensor(FIELDS[key], value, name)
     try:
         sampling = SamplingConfig(**{k: v for k, v in given.items() if k not in GENERATE_FIELDS})
         return GenerateConfig(**{k: v for k, v in given.items() if k in GENERATE_FIELDS}, sampling=sampling)
     except FieldError as e:
         raise e.named(name(FIELDS[e.field])) from None
+
+
+INT_RANGES = {"INT32": (-2**31, 2**31), "UINT64": (0, 2**64)}  # [low, high) of a tensor's integers
+FP32_MAX = 3.4028234663852886e38
+
+
+def fits_tensor(f: RequestField, value, name: Callable[[RequestField], str]) -> None:
+    """A value a front end took from JSON or flags must fit its Triton tensor: an integer its INT32 or UINT64, a
+    finite float FP32's range, text UTF-8 (no lone surrogate). Else a FieldError naming the field as `name` spells
+    it, never a value silently cast."""
+    if f.tensor is None:
+        return
+    spelled = name(f)
+    kind = f.tensor.dtype
+    if kind in INT_RANGES and isinstance(value, int) and not isinstance(value, bool):
+        low, high = INT_RANGES[kind]
+        if not low <= value < high:
+            raise FieldError(f.field, f"must be in [{low}, {high}) (a {kind} tensor), got {value}", spelled)
+    elif kind == "FP32" and isinstance(value, float) and math.isfinite(value) and abs(value) > FP32_MAX:
+        raise FieldError(f.field, f"must be at most {FP32_MAX:g} in magnitude (an FP32 tensor), got {value:g}",
+                         spelled)
+    for text in (value if isinstance(value, (list, tuple)) else [value]):
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FieldError(f.field, "must be UTF-8 text: it holds a lone UTF-16 surrogate", spelled) from None
 
 
 STATS_OUTPUTS = (  # from the spork step straight to the client, in every response

@@ -1,6 +1,7 @@
 """The OpenAI API's edge without Triton behind it (nothing here reaches the upstream): a body past the limit is a 413
 in OpenAI's shape, refused by its Content-Length or while it streams in; JSON that Python cannot take (an integer
-literal of 5,000 digits, 30,000 nested brackets) is a 400, never a 500. A real uvicorn server, raw HTTP."""
+literal of 5,000 digits, 30,000 nested brackets) is a 400, never a 500; so is a value no request tensor can hold.
+A real uvicorn server, raw HTTP."""
 from __future__ import annotations
 
 import contextlib
@@ -161,3 +162,21 @@ def test_health_answers_while_maximal_requests_are_parsed(tmp_path):
         assert all(s == 400 and e["error"]["code"] == "context_length_exceeded" for s, e in answers), answers
         status, err = chat(over)
         assert status == 400 and f"at most {MAX_MESSAGES}" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"prompt": "a lone surrogate \ud800 in text"}, "prompt"),
+    ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
+    ({"prompt": "hi", "top_k": 2**63}, "top_k"),
+    ({"prompt": "hi", "top_k": 2**32 + 1}, "top_k"),
+    ({"prompt": "hi", "temperature": 1e39}, "temperature"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
+    ({"prompt": "hi", "n": 2**70}, "n"),
+    ({"prompt": "hi", "logprobs": 2**70}, "logprobs"),
+])
+def test_values_no_tensor_can_hold_are_a_400_naming_the_field(api, fields, param):
+    """Values JSON carries but the request tensors cannot (a lone UTF-16 surrogate, integers past int32 or uint64,
+    a float past float32) are refused at the edge, naming the field: never a 500, never silently cast."""
+    status, err = post(api, json.dumps({"model": "m", **fields}).encode())
+    assert status == 400 and err["error"]["param"] == param, err

@@ -212,7 +212,17 @@ def prompt(body: dict) -> str:
         value = value[0]  # a batch of one
     if not isinstance(value, str) or not value.strip():
         raise bad_request("prompt", "prompt must be a non-empty string (one prompt per request)")
-    return value
+    return utf8(value, "prompt")
+
+
+def utf8(text: str, where: str) -> str:
+    """`text`, refused when it cannot be UTF-8 (JSON can carry a lone UTF-16 surrogate, "\\ud800"; no tokenizer
+    or tensor can)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(where, f"{where} must be UTF-8 text: it holds a lone UTF-16 surrogate") from None
+    return text
 
 
 def messages(value) -> list[dict[str, str]]:
@@ -237,10 +247,10 @@ def messages(value) -> list[dict[str, str]]:
 
 def content(value, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return utf8(value, where)
     if isinstance(value, list) and len(value) > MAX_PARTS:
         raise bad_request(where, f"{where} holds {len(value)} parts: at most {MAX_PARTS} per message")
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
                                                                                                    str) for p in value):
-        return "".join(p["text"] for p in value)
+        return utf8("".join(p["text"] for p in value), where)
     raise bad_request(where, f"{where} must be a string or a list of text parts (this model reads text only)")
