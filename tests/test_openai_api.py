@@ -36,6 +36,17 @@ def test_stop_filter_holds_back_only_what_could_start_a_stop():
     assert "".join(h.feed(c) for c in "the black cat sat") == "the black " and h.stopped
 
 
+def test_an_upstream_refusal_is_a_400_a_full_queue_a_503_and_a_failure_a_500_without_its_text():
+    from spork_trt.serving.openai_api.upstream import upstream_error
+
+    bad = upstream_error("top_k must be in [-2147483648, 2147483648) (a INT32 tensor), got 4294967297")
+    assert (bad.status, bad.code) == (400, "invalid_value") and bad.message.startswith("top_k must be")
+    busy = upstream_error("all 8 slots are in use and 64 requests wait for one (max_queue): retry later")
+    assert busy.status == 503
+    failed = upstream_error("Traceback ... KeyError: 'secret internal detail'")
+    assert failed.status == 500 and "secret" not in failed.message
+
+
 def test_tokens_through_stop_is_the_first_prefix_holding_it():
     pieces = ["ab", "c#", "#d", "e"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spork_trt.errors import retryable
+from spork_trt.io_spec import error_kind
 from spork_trt.checkpoint.tokenizer import Tokenizer, text_delta
 from spork_trt.serving.openai_api.errors import ApiError, unavailable
 from spork_trt.serving.openai_api.params import Job
@@ -97,10 +97,15 @@ def logprobs(result) -> list[TokenLogprob]:
 
 
 def upstream_error(message: str) -> ApiError:
-    """A Triton error response: queue full or shutting down is a 503 to retry; anything else was validated here
-    already, so it is the server's fault (its text stays in Triton's log, not in the response)."""
-    if retryable(message):
+    """A Triton error response (a stream's error carries its message, not its code: io_spec.error_kind reads it):
+    queue full or shutting down is a 503 to retry; a bad input the spork model refused (its message starts with the
+    input's name: validation text, no internals) a 400 with that message; anything else the server's fault (its
+    text stays in Triton's log, not in the response)."""
+    kind = error_kind(message)
+    if kind == "unavailable":
         return unavailable(f"the server is busy: {message}")
+    if kind == "invalid":
+        return ApiError(400, message, None, "invalid_value")
     return ApiError(500, "the model server failed this request: see its log", None, "upstream_error", "server_error")
 
 
