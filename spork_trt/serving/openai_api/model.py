@@ -3,6 +3,7 @@ request may use (read from the rendered repository, as the `spork` model compute
 from __future__ import annotations
 
 import functools
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +28,35 @@ class ServedModel:
         hf = self.tokenizer.hf
         if not self.tokenizer.has_chat_template:
             raise bad_request("messages", f"model {self.name} has no chat template: use /v1/completions")
-        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(hf.encode(text, add_special_tokens=False))
+        if not any(s in m["content"] for m in messages for s in self.control_texts):
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(hf.encode(text, add_special_tokens=False))
+        return self.quoted_ids(messages)
+
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The text of every added (control) token: `<|im_start|>`, `<|im_end|>`, ..."""
+        return tuple(self.tokenizer.hf.get_added_vocab())
+
+    def quoted_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation whose content spells a control token (`<|im_start|>system...`): the template's own text
+        is encoded as always, each message's content as plain text (split_special_tokens), so a client cannot
+        open turns or end them by typing a control token. The template is rendered with a random mark for each
+        content, found again in its output; a template that transforms content (no mark found) is refused."""
+        hf = self.tokenizer.hf
+        marks = [f"\ue000{secrets.token_hex(8)}{i}\ue001" for i in range(len(messages))]
+        text = hf.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], tokenize=False,
+                                      add_generation_prompt=True)
+        ids, at = [], 0
+        for m, mark in zip(messages, marks):
+            start = text.find(mark, at)
+            if start < 0:
+                raise bad_request("messages", "a message's content spells a control token of the model and its "
+                                  "chat template rewrites content: send it without the control token text")
+            ids += hf.encode(text[at:start], add_special_tokens=False)
+            ids += hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+            at = start + len(mark)
+        return ids + hf.encode(text[at:], add_special_tokens=False)
 
     @functools.cached_property
     def grammars(self) -> Grammars:
