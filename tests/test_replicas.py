@@ -37,6 +37,37 @@ def test_the_balancer_configuration_is_valid_for_haproxy(tmp_path):
     assert all(f"port {r.http_port} check-proto h1" in text for r in replicas)  # gRPC backends: HTTP readiness
 
 
+def test_a_client_that_sends_its_headers_slowly_is_cut_by_the_balancer(tmp_path):
+    """Slowloris: a connection whose request headers do not all arrive within request_timeout_s gets haproxy's 408
+    and is closed, instead of holding a connection for the idle timeout (600 s)."""
+    import socket
+    import time
+
+    replicas = [replace(ServerConfig(tmp_path), http_port=free_port(), grpc_port=free_port()) for _ in range(2)]
+    port, cfg = free_port(), tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config("127.0.0.1", port, free_port(), replicas, BalancerConfig(request_timeout_s=1.0)))
+    proc = subprocess.Popen([find_haproxy(), "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
+                time.sleep(0.05)
+        with conn:
+            conn.settimeout(10)
+            t0 = time.monotonic()
+            conn.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            answer = conn.recv(4096)
+            waited = time.monotonic() - t0
+        assert answer.startswith(b"HTTP/1.1 408") and waited < 5, (answer[:40], waited)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_replica_counts_outside_2_to_16_are_refused(tmp_path):
     for n in (0, 17):
         with pytest.raises(UserError, match="--replicas must be in 2..16"):

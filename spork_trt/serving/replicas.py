@@ -42,6 +42,7 @@ class BalancerConfig:
     fall: int = 2  # failed checks before a replica leaves the rotation
     rise: int = 1  # passed checks before it comes back
     idle_timeout_s: float = 600.0  # a connection with nothing sent either way for this long is closed
+    request_timeout_s: float = 10.0  # a client's request headers must arrive within this (a slow sender is cut)
     restarts: int = 3  # times a replica that exits is started again (on its own ports; haproxy takes it back)
 
 
@@ -54,6 +55,7 @@ def haproxy_config(host: str, http_port: int, grpc_port: int, replicas: list[Ser
     lines = [
         "global", "    maxconn 4096", "",
         "defaults", "    mode http", "    timeout connect 2s", f"    timeout client {idle}",
+        f"    timeout http-request {round(b.request_timeout_s * 1000)}ms", "    timeout http-keep-alive 10s",
         f"    timeout server {idle}", "    retries 2", "    option redispatch 1", "",
         "frontend http_in", f"    bind {host}:{http_port}", "    default_backend http_replicas", "",
         "frontend grpc_in", f"    bind {host}:{grpc_port} proto h2", "    default_backend grpc_replicas", "",

@@ -22,6 +22,7 @@ class FrontConfig:
     start_timeout_s: float = 30.0
     max_body_bytes: int = 4 * 2**20  # a larger request body is refused while it is read (413)
     gate: GateConfig = GateConfig()  # API keys, the Host and Origin allow-lists (openai_api/gate.py)
+    max_connections: int = 1024  # open connections and requests at once; more are answered 503 at once
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
@@ -50,7 +51,8 @@ class OpenAIServer:
         model = load_served_model(self.cfg.repo, self.cfg.model_name)
         self.model_name = model.name
         config = uvicorn.Config(create_app(model, self.cfg.grpc_url, self.cfg.max_body_bytes, self.cfg.gate), host=self.cfg.host, port=self.cfg.port,
-                                log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(self.cfg.drain_timeout_s)))
+                                log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(self.cfg.drain_timeout_s)),
+                                limit_concurrency=self.cfg.max_connections, timeout_keep_alive=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="openai-api", daemon=True)
         self.thread.start()
