@@ -104,10 +104,16 @@ def test_a_forbidden_node_is_cut_with_its_subtree_and_the_state_is_kept(default_
     assert c.tree_masks(tree)[0] == valid  # the walk rolled the grammar back
 
 
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
 @pytest.mark.parametrize("spec,needle", [(GrammarSpec("json_schema", "{not json"), "does not compile"),
-                                         (GrammarSpec("regex", "(unclosed"), "does not compile")])
+                                         (GrammarSpec("regex", "(unclosed"), "does not compile"),
+                                         (GrammarSpec("json_schema", json.dumps(CYCLE)), "Circular \\$ref"),
+                                         (GrammarSpec("json_schema", '{"type": "strng"}'), "Unsupported type")])
 def test_a_grammar_that_does_not_compile_is_one_clear_error(default_runtime, spec, needle):
-    with pytest.raises(UserError, match=needle):
+    with pytest.raises(UserError, match=needle) as e:
         default_runtime.request([1, 2, 3], GenerateConfig(max_new_tokens=4), grammar=spec)
+    assert ".cc:" not in str(e.value) and "/project/" not in str(e.value)  # none of the engine's source paths
     with pytest.raises(UserError, match="grammar kind must be one of"):
         GrammarSpec("yaml", "x")

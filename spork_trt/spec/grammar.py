@@ -16,6 +16,7 @@ grammar (`advance`).
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from spork_trt.errors import UserError
 from spork_trt.spec.tree import DraftTree
 
 KINDS = ("json", "json_schema", "regex", "ebnf")
+SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Grammars:
             return self.compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors: the user's schema, regex or grammar
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = SOURCE_PREFIX.sub("", first)  # xgrammar's "[hh:mm:ss] /its/source.cc:123: ": not the client's
             raise UserError(f"the {spec.kind} grammar does not compile: {first[:300]}") from None
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
