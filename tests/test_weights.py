@@ -108,6 +108,25 @@ def test_gguf_f32_matches_hf(tmp_path, tied):
     assert (our_logits(ck.model, ids) - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_a_model_bigger_than_the_free_memory_is_refused_before_loading(tmp_path, monkeypatch, fmt):
+    """Its fp32 weights against the RAM available (here made 1 KiB): one line naming both, before any weight is
+    read (the tensor reads are made to fail: they are never reached)."""
+    from spork_trt.checkpoint import resources
+
+    hf, d = hf_tiny(tmp_path, "default", True)
+    path = tmp_path / "tiny.gguf"
+    if fmt == "gguf":
+        write_gguf(path, hf)
+    monkeypatch.setattr(resources, "available_bytes", lambda: 1024)
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(UserError, match=r"GiB as fp32 weights, but this machine has 0\.0 GiB of RAM available"):
+        load_checkpoint(path if fmt == "gguf" else d)
+    monkeypatch.setattr(resources, "available_bytes", lambda: 2**40)
+    if fmt == "hf":
+        assert load_checkpoint(d).kind == "hf"  # with room, the same directory loads
+
+
 @pytest.mark.parametrize("qname", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_gguf_quant_types_dequantize_to_the_written_values(tmp_path, qname):
     qtype = getattr(gguf.GGMLQuantizationType, qname)

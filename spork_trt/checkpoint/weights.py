@@ -9,6 +9,7 @@ import functools
 
 import importlib.util
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from spork_trt.checkpoint.families import GGUF_PERMUTED_QK, gguf_architecture, hf_architecture, hf_rope
+from spork_trt.checkpoint.resources import check_fits
 from spork_trt.checkpoint.transformer import Transformer
 from spork_trt.config import Architecture, ModelConfig, RopeScaling
 from spork_trt.errors import UserError
@@ -227,6 +229,11 @@ def read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not files:
         raise UserError(f"{d} has no *.safetensors weights (pickled .bin checkpoints are refused: convert them "
                         "to safetensors first)")
+    shapes = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            shapes += [fh.get_slice(k).get_shape() for k in fh.keys()]
+    check_fits(d, sum(math.prod(s) for s in shapes))  # before any weight is read
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
@@ -293,6 +300,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = gguf_reader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     gguf_architecture(meta.get("general.architecture"), {}, 0, 2, path)  # before any weight is read
+    check_fits(path, sum(int(t.n_elements) for t in reader.tensors))
     tensors = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
