@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from spork_trt.config import CPU_TORCH_DTYPES
+from spork_trt.config import CPU_TORCH_DTYPES, GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.serving.openai_api.server import FrontConfig
 
@@ -97,7 +97,8 @@ def add_serving_commands(sub) -> None:
 
 
 def add_request_flags(p) -> None:
-    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=GenerateConfig.max_new_tokens, help="most new tokens (default: "
+                   "%(default)s, as every front end)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)

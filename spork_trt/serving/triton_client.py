@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spork_trt.config import GenerateConfig
 from spork_trt.errors import Unanswered, UserError, retryable
 
 PROTOCOLS = ("http", "grpc", "generate")
@@ -35,7 +36,7 @@ class ClientConfig:
     url: str | None = None  # host:port; None: 127.0.0.1 and the protocol's default port
     protocol: str = "grpc"  # http | grpc | generate
     stream: bool = False
-    max_tokens: int = 256
+    max_tokens: int = GenerateConfig.max_new_tokens  # the one default of every front end (config.py)
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
