@@ -74,6 +74,7 @@ def test_spork_is_constrained_plain_for_every_drafter(default_runtime, draft):
         spork = rt.generate(ids, cfg, mode="spork", spec=SpecConfig.for_draft(draft), grammar=SPEC)
         assert spork.token_ids == plain.token_ids, (draft, prompt)
         json.loads(plain.text)
+        assert plain.stats.forced_tokens == 0  # jump-forward is speculation's (tests/test_logprobs.py has one)
 
 
 def test_sampled_constrained_output_matches_the_schema(default_runtime):

@@ -91,6 +91,23 @@ def test_under_a_grammar_the_alternatives_are_allowed_tokens(runtime):
         json.loads(res.text)
 
 
+def test_forced_tokens_carry_the_masked_targets_logprobs(runtime):
+    """Under a JSON schema, spork commits the tokens the grammar allows alone without a verdict (jump-forward):
+    their logprobs (0, the token alone among the alternatives) are those plain decoding reads from the masked
+    target's rows, and every other token's too."""
+    rt = runtime
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "legs": {"type": "integer"}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    spec, cfg = GrammarSpec("json_schema", json.dumps(schema)), GenerateConfig(max_new_tokens=40)
+    ids = rt.tokenizer.encode_prompt("Describe a spider as JSON.")
+    plain = rt.generate(ids, cfg, mode="plain", grammar=spec, logprobs=K)
+    spork = rt.generate(ids, cfg, mode="spork", spec=SpecConfig.for_draft("ngram"), grammar=spec, logprobs=K)
+    assert spork.stats.forced_tokens > 0 and spork.token_ids == plain.token_ids
+    assert close(spork.logprobs, plain.logprobs)
+    assert any(x.logprob == 0.0 and len(x.top) == 1 for x in spork.logprobs)
+
+
 @pytest.mark.parametrize("kw, needle", [(dict(mode="gate", logprobs=0), "gate mode"),
                                         (dict(mode="plain", logprobs=21), "0 to 20")])
 def test_refusals_are_one_line(runtime, kw, needle):

@@ -52,6 +52,7 @@ from spork_trt.spec.grammar import constrain
 from spork_trt.spec.verification import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger("spork_trt.loop.engine_core")
+MAX_JUMP = 16  # forced tokens committed after one step (they ride in the next forward, beyond its tree allotment)
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,27 @@ class EngineCore:
         emit(r, [*verdict.accepted, r.root], draft=0 if d.gated else len(tree) - 1,
              accepted=0 if d.gated else len(verdict.accepted), gated=len(d.gated),
              rows=None if d.gated else at[list(verdict.path)])  # the path's rows predicted accepted + bonus
-        return len(verdict.accepted) + 1
+        return len(verdict.accepted) + 1 + self.jump(r)
+
+    def jump(self, r: Request) -> int:
+        """Jump-forward: the tokens the request's grammar allows alone after its root are committed now, without a
+        verdict (the masked target could give no other): the root and all but the last become `behind` (the next
+        forward runs them ahead of the tree), the last the new root; the drafter follows them as one accepted
+        chain. Speculating requests only (plain decoding stays the reference). Returns the tokens committed."""
+        if r.sub.constraint is None or r.sub.drafter is None or r.stop.reason is not None or wants_hidden(r):
+            return 0  # a drafter reading the target's hidden states needs them for every committed row: not here
+        left = r.sub.cfg.max_new_tokens - len(r.stop.tokens)
+        forced = r.sub.constraint.forced(min(MAX_JUMP, left), r.sub.eos_ids)
+        if not forced:
+            return 0
+        chain = DraftTree((r.root, *forced), tuple(range(-1, len(forced))))
+        r.sub.drafter.commit(chain, Verdict(tuple(range(len(forced))), tuple(forced[:-1]), forced[-1]))
+        r.behind += [r.root, *forced[:-1]]
+        r.root = forced[-1]
+        r.sub.constraint.advance(forced)
+        r.stats.forced_tokens += len(forced)
+        emit(r, forced, draft=0, accepted=0, rows=certain(forced, r.sub.constraint.vocab_size), step=False)
+        return len(forced)
 
     def chunks(self, joining: list[Request], room: int) -> dict[Request, SeqInput]:
         """The next chunk of joining requests' prompts (oldest first, `prefill_tokens` in all, at most `room` and at
@@ -377,6 +398,15 @@ class EngineCore:
             r.sub.drafter.reset(r.sub.prompt_ids, r.room + r.sub.spec.tree_depth, r.cache)
         r.stats.prefill_s = time.perf_counter() - r.t0
         emit(r, [r.root], draft=0, accepted=0, rows=last)
+        self.jump(r)
+
+
+def certain(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """[n, V] rows that allow only `tokens` (each at logit 0): the masked target's rows at forced positions give the
+    same log-probabilities (0 for the token, -inf for every other)."""
+    rows = torch.full((len(tokens), vocab_size), float("-inf"))
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return rows
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:

@@ -86,7 +86,9 @@ class Request:
     room: int = 0  # positions the request may use: prompt + new tokens + a tree (admission.Size)
     prefilled: int = 0  # prompt tokens run so far
     root: int | None = None  # the last committed token, not yet run by the target (None while prefilling)
-    behind: list[int] = field(default_factory=list)  # gate mode: committed tokens before the root not yet run
+    # committed tokens before the root the target has not run yet: gate mode's, or a grammar's forced ones (their
+    # rows are computed in the next forward, ahead of the tree)
+    behind: list[int] = field(default_factory=list)
     t0: float = 0.0
     finished: bool = False
     error: Exception | None = None  # what failed this request alone (it left at the step it raised in)
@@ -120,12 +122,14 @@ def wants_hidden(r: Request) -> bool:
 
 
 def emit(r: Request, committed: list[int], draft: int, accepted: int, gated: int = 0,
-         rows: torch.Tensor | None = None) -> None:
-    """Apply the stop rule to a step's committed tokens, count the step, put what is kept in the outbox. `rows`
-    [len(committed), V]: the target's logits that predicted them (their log-probabilities, when asked for)."""
+         rows: torch.Tensor | None = None, step: bool = True) -> None:
+    """Apply the stop rule to a step's committed tokens, count the step (unless not `step`: forced tokens), put what
+    is kept in the outbox. `rows` [len(committed), V]: the target's logits that predicted them (their
+    log-probabilities, when asked for)."""
     kept = r.stop.add(committed)
     if kept:
-        r.stats.record_step(draft, accepted, gated)
+        if step:
+            r.stats.record_step(draft, accepted, gated)
         r.stats.committed_tokens += len(kept)
         r.outbox += kept
         if r.sub.logprobs is not None:

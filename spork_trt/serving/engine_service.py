@@ -73,8 +73,10 @@ class Chunk:
 
 def logprob_tensors(logs: tuple[TokenLogprob, ...], k: int) -> dict[str, np.ndarray]:
     """io_spec.LOGPROB_OUTPUTS of a response: [1, m], [1, m, k], [1, m, k] (m = 0 without logprobs)."""
-    ids = np.array([[[t for t, _ in x.top] for x in logs]], np.int32).reshape(1, len(logs), k)
-    values = np.array([[[v for _, v in x.top] for x in logs]], np.float32).reshape(1, len(logs), k)
+    pad = [(-1, float("-inf"))] * k  # a token with fewer than k alternatives: id -1 fills the rest
+    tops = [(list(x.top) + pad)[:k] for x in logs]
+    ids = np.array([[[t for t, _ in top] for top in tops]], np.int32).reshape(1, len(logs), k)
+    values = np.array([[[v for _, v in top] for top in tops]], np.float32).reshape(1, len(logs), k)
     return {"output_logprobs": np.array([[x.logprob for x in logs]], np.float32).reshape(1, len(logs)),
             "top_logprob_ids": ids, "top_logprobs": values}
 

@@ -142,6 +142,22 @@ class Constraint:
             stack += [(c, False) for c in reversed(children[node]) if allowed(masks[node], tree.tokens[c])]
         return valid, masks
 
+    def forced(self, limit: int, stop_ids: frozenset[int]) -> list[int]:
+        """The tokens the grammar allows alone from here, in order (at most `limit`; never a stop token: the end is
+        left to the model's own turn): each is the only token a masked distribution can give, so committing it
+        without a verdict changes nothing (jump-forward). The grammar state is left as it was."""
+        out: list[int] = []
+        mask = self.masks(1)
+        while len(out) < limit and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(mask, 0)
+            only = single_bit(mask[0], self.vocab_size)
+            if only is None or only in stop_ids or not self.matcher.accept_token(only):
+                break
+            out.append(only)
+        if out:
+            self.matcher.rollback(len(out))
+        return out
+
     def advance(self, tokens: list[int]) -> None:
         """The committed tokens, in order (those after the grammar's end are ignored: the stop rule ends there)."""
         for t in tokens:
@@ -149,6 +165,19 @@ class Constraint:
                 return
             if not self.matcher.accept_token(t):
                 raise AssertionError(f"a committed token ({t}) breaks the grammar: masked decoding never picks one")
+
+
+def single_bit(mask: torch.Tensor, vocab_size: int) -> int | None:
+    """The one token a bitmask row [W] allows, or None when it allows none or several."""
+    words = torch.nonzero(mask).reshape(-1)
+    if words.numel() != 1:
+        return None
+    w = int(words[0])
+    bits = int(mask[w]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    token = 32 * w + bits.bit_length() - 1
+    return token if token < vocab_size else None
 
 
 def allowed(mask: torch.Tensor, token: int) -> bool:

@@ -11,6 +11,7 @@ top-p and top-k (as OpenAI and vLLM report them).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,9 @@ MAX_TOP = 20  # most alternatives a token reports (OpenAI's bound on top_logprob
 class TokenLogprob:
     token: int
     logprob: float  # the token's natural-log probability under the target
-    top: tuple[tuple[int, float], ...]  # the k likeliest (token, logprob), likeliest first (ties: lower id first)
+    # the k likeliest (token, logprob), likeliest first (ties: lower id first); fewer where fewer tokens have any
+    # probability (a grammar's forbidden tokens are left out, so a forced token's is itself alone)
+    top: tuple[tuple[int, float], ...]
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -33,6 +36,7 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenL
     for row, t in zip(rows, tokens):
         lp = torch.log_softmax(row.detach().to("cpu", torch.float64), -1)  # [V]
         top = torch.topk(lp, k, sorted=True) if k else None
-        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        pairs = tuple((i, v) for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > -math.inf) \
+            if top is not None else ()
         out.append(TokenLogprob(t, float(lp[t]), tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))))
     return out

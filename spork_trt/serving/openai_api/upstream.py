@@ -92,8 +92,8 @@ def logprobs(result) -> list[TokenLogprob]:
     top = result.as_numpy("top_logprobs").reshape(m, -1) if m else None
     window = [int(i) for i in result.as_numpy("output_ids").reshape(-1)]
     new = window[int(result.as_numpy("sent_len").reshape(-1)[0]):]
-    return [TokenLogprob(new[i], float(lp[i]), tuple(zip(ids[i].tolist(), map(float, top[i].tolist()))))
-            for i in range(m)]
+    return [TokenLogprob(new[i], float(lp[i]), tuple((t, float(v)) for t, v in zip(ids[i].tolist(), top[i].tolist())
+                                                     if t >= 0)) for i in range(m)]  # id -1: padding
 
 
 def upstream_error(message: str) -> ApiError:
