@@ -249,6 +249,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         spec_part = (f", mean accepted length {st.mean_accepted_length:.2f}, acceptance {st.acceptance_rate:.0%}"
                      if a.mode != "plain" else "")
         spec_part += (f", verifier scored {st.scored_steps} steps" if st.scored_steps else "")
+        spec_part += (f", {st.forced_tokens} forced by the grammar" if st.forced_tokens else "")
         spec_part += (f", {st.gated_tokens} tokens accepted by the verifier alone (lossy)" if a.mode == "gate"
                       else "")
         print(f"[{a.mode}/{rt.backend}] {st.committed_tokens} tokens in {st.time_s:.2f}s "
