@@ -111,7 +111,11 @@ CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$re
 @pytest.mark.parametrize("spec,needle", [(GrammarSpec("json_schema", "{not json"), "does not compile"),
                                          (GrammarSpec("regex", "(unclosed"), "does not compile"),
                                          (GrammarSpec("json_schema", json.dumps(CYCLE)), "Circular \\$ref"),
-                                         (GrammarSpec("json_schema", '{"type": "strng"}'), "Unsupported type")])
+                                         (GrammarSpec("json_schema", '{"type": "strng"}'), "Unsupported type"),
+                                         (GrammarSpec("json_schema", json.dumps(
+                                             {"type": "object", "properties": {"not": {"type": "array", "items": {
+                                                 "type": "integer"}, "uniqueItems": True}}})),
+                                          "keyword 'uniqueItems' \\(at #/properties/not\\) is not supported")])
 def test_a_grammar_that_does_not_compile_is_one_clear_error(default_runtime, spec, needle):
     with pytest.raises(UserError, match=needle) as e:
         default_runtime.request([1, 2, 3], GenerateConfig(max_new_tokens=4), grammar=spec)

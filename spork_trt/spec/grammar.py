@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from spork_trt.errors import UserError
+from spork_trt.spec.schema_check import check_schema
 from spork_trt.spec.tree import DraftTree
 
 KINDS = ("json", "json_schema", "regex", "ebnf")
@@ -79,6 +80,7 @@ class Grammars:
             if spec.kind == "json":
                 return self.compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
+                check_schema(spec.source)  # keywords it would ignore: refused by name
                 return self.compiler.compile_json_schema(spec.source, strict_mode=True)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.source)
