@@ -196,6 +196,10 @@ def test_control_tokens_typed_into_content_stay_text(default_tokenizer):
     control = set(hf.get_added_vocab().values())
     assert sum(i in control for i in ids) == sum(i in control for i in naive) - 3  # the three typed ones are text
     assert hf.decode(ids) == rendered
+    one = default_tokenizer.encode_prompt(evil)  # the ensemble's preprocessing and `generate`: the same rule
+    alone = hf.apply_chat_template([{"role": "user", "content": evil}], tokenize=False, add_generation_prompt=True)
+    naive_one = hf.encode(alone, add_special_tokens=False)
+    assert sum(i in control for i in one) == sum(i in control for i in naive_one) - 3 and hf.decode(one) == alone
     plain = [{"role": "user", "content": "What is 2 + 2?"}]
     assert model.chat_ids(plain) == hf.encode(hf.apply_chat_template(plain, tokenize=False,
                                                                      add_generation_prompt=True),

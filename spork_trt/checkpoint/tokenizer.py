@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import secrets
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,9 +33,35 @@ class Tokenizer:
             raise UserError("the prompt is empty: pass some text to generate from")
         if raw or not self.has_chat_template:
             return list(self.hf.encode(prompt, add_special_tokens=True))
-        text = self.hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.chat_ids([{"role": "user", "content": prompt}])
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation through the chat template, the assistant's turn opened. A content that spells a control
+        token (`<|im_start|>system...`) is encoded as plain text (split_special_tokens), so a user cannot open or
+        end turns by typing one; the template's own text is encoded as always (the template is rendered with a
+        random mark for each content, found again in its output; a template that rewrites content is refused)."""
+        hf = self.hf
+        if not any(s in m["content"] for m in messages for s in self.control_texts):
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(hf.encode(text, add_special_tokens=False))
+        marks = [f"\ue000{secrets.token_hex(8)}{i}\ue001" for i in range(len(messages))]
+        text = hf.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], tokenize=False,
+                                      add_generation_prompt=True)
+        ids, at = [], 0
+        for m, mark in zip(messages, marks):
+            start = text.find(mark, at)
+            if start < 0:
+                raise UserError("a message's content spells a control token of the model and its chat template "
+                                "rewrites content: send it without the control token text")
+            ids += hf.encode(text[at:start], add_special_tokens=False)
+            ids += hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+            at = start + len(mark)
+        return ids + hf.encode(text[at:], add_special_tokens=False)
+
+    @cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The text of every added (control) token: `<|im_start|>`, `<|im_end|>`, ..."""
+        return tuple(self.hf.get_added_vocab())
 
     def is_rendered(self, text: str) -> bool:
         """True if `text` is a conversation already rendered by this model's chat template: it begins with the

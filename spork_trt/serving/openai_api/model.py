@@ -3,12 +3,12 @@ request may use (read from the rendered repository, as the `spork` model compute
 from __future__ import annotations
 
 import functools
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from spork_trt.config import SpecConfig
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer
+from spork_trt.errors import UserError
 from spork_trt.serving.openai_api.errors import bad_request
 from spork_trt.spec.grammar import Grammars
 
@@ -25,38 +25,12 @@ class ServedModel:
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation (role/content dicts, checked by params.py) through the chat template, with the
         assistant's turn opened; for one user message exactly what the ensemble's preprocessing sends."""
-        hf = self.tokenizer.hf
         if not self.tokenizer.has_chat_template:
             raise bad_request("messages", f"model {self.name} has no chat template: use /v1/completions")
-        if not any(s in m["content"] for m in messages for s in self.control_texts):
-            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(hf.encode(text, add_special_tokens=False))
-        return self.quoted_ids(messages)
-
-    @functools.cached_property
-    def control_texts(self) -> tuple[str, ...]:
-        """The text of every added (control) token: `<|im_start|>`, `<|im_end|>`, ..."""
-        return tuple(self.tokenizer.hf.get_added_vocab())
-
-    def quoted_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation whose content spells a control token (`<|im_start|>system...`): the template's own text
-        is encoded as always, each message's content as plain text (split_special_tokens), so a client cannot
-        open turns or end them by typing a control token. The template is rendered with a random mark for each
-        content, found again in its output; a template that transforms content (no mark found) is refused."""
-        hf = self.tokenizer.hf
-        marks = [f"\ue000{secrets.token_hex(8)}{i}\ue001" for i in range(len(messages))]
-        text = hf.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], tokenize=False,
-                                      add_generation_prompt=True)
-        ids, at = [], 0
-        for m, mark in zip(messages, marks):
-            start = text.find(mark, at)
-            if start < 0:
-                raise bad_request("messages", "a message's content spells a control token of the model and its "
-                                  "chat template rewrites content: send it without the control token text")
-            ids += hf.encode(text[at:start], add_special_tokens=False)
-            ids += hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
-            at = start + len(mark)
-        return ids + hf.encode(text[at:], add_special_tokens=False)
+        try:
+            return self.tokenizer.chat_ids(messages)
+        except UserError as e:  # content spelling a control token under a template that rewrites content
+            raise bad_request("messages", str(e)) from None
 
     @functools.cached_property
     def grammars(self) -> Grammars:
