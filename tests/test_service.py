@@ -97,6 +97,9 @@ class Pieces:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(self.pieces[i] for i in ids)
 
+    def __len__(self) -> int:
+        return len(self.pieces)
+
 
 def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts():
     from spork_trt.checkpoint.tokenizer import Tokenizer
@@ -109,6 +112,22 @@ def test_postprocessing_ends_the_final_text_where_the_first_stop_string_starts()
 
     assert text(2, True, words("END", ". E")) == " sat"  # the earliest start among them
     assert text(2, True, words()) == text(2, True, None) == " sat. END more"
+
+
+@pytest.mark.parametrize("ids,sent,cuts,needle", [
+    ([1] * (2**16 + 1), 0, None, "output_ids must be at most 65536"),
+    ([5, 49152], 0, None, "output_ids must be at most 65536 token ids in [0, 49152)"),
+    ([5, -1], 0, None, "in [0, 49152)"),
+    ([5, 6], 3, None, "sent_len must be in [0, 2]"),
+    ([5, 6], 0, [b"x"] * 65, "cut_at must hold at most 64"),
+    ([5, 6], 0, [b"\xff"], "cut_at must be UTF-8"),
+])
+def test_postprocessing_called_directly_refuses_what_spork_never_sends(default_tokenizer, ids, sent, cuts, needle):
+    """Postprocessing is a model a client can call: ids past the vocabulary or a bound, a sent_len outside them,
+    too many or non-UTF-8 stop strings are one clear error (INVALID_ARG), not a traceback or unbounded work."""
+    cut_at = None if cuts is None else np.array([cuts], np.object_)
+    with pytest.raises(UserError, match=re.escape(needle)):
+        decode_chunk(default_tokenizer, np.array([ids], np.int32), one(sent, np.int32), one(True, np.bool_), cut_at)
 
 
 def test_a_chunk_carries_the_counts_and_the_final_one_the_stop_strings():

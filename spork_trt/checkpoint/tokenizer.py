@@ -59,6 +59,11 @@ class Tokenizer:
         return ids + hf.encode(text[at:], add_special_tokens=False)
 
     @cached_property
+    def size(self) -> int:
+        """Token ids it knows: [0, size) (added tokens included)."""
+        return len(self.hf)
+
+    @cached_property
     def control_texts(self) -> tuple[str, ...]:
         """The text of every added (control) token: `<|im_start|>`, `<|im_end|>`, ..."""
         return tuple(self.hf.get_added_vocab())

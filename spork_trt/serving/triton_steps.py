@@ -36,14 +36,29 @@ def encode_text(tok: Tokenizer, text_input: np.ndarray | None, max_bytes: int | 
     return np.array([tok.encode_rendered(text) if tok.is_rendered(text) else tok.encode_prompt(text)], np.int32)
 
 
+MAX_DECODE_IDS = 1 << 16  # ids one postprocessing call decodes (the spork step sends a window, or one unary answer)
+MAX_CUTS = 64  # stop strings one call cuts at (requests carry at most a few)
+
+
 def decode_chunk(tok: Tokenizer, output_ids: np.ndarray, sent_len: np.ndarray, final: np.ndarray,
                  cut_at: np.ndarray | None = None) -> np.ndarray:
     """Postprocessing: the text this response adds -> text_output [1, 1] (UTF-8 bytes), ended where the first of the
     stop strings `cut_at` [1, k] starts (the spork step sends them with the final response, and holds back until then
     the tokens that could begin one, so a stop string lies whole within the final response's text)."""
     ids = [int(i) for i in output_ids.reshape(-1)]
-    delta = text_delta(tok, ids, int(sent_len.reshape(-1)[0]), bool(final.reshape(-1)[0]))
-    stops = () if cut_at is None else tuple(s.decode("utf-8") for s in cut_at.reshape(-1))
+    vocab = tok.size
+    if len(ids) > MAX_DECODE_IDS or any(not 0 <= i < vocab for i in ids):
+        raise UserError(f"output_ids must be at most {MAX_DECODE_IDS} token ids in [0, {vocab})")
+    sent = int(sent_len.reshape(-1)[0])
+    if not 0 <= sent <= len(ids):
+        raise UserError(f"sent_len must be in [0, {len(ids)}] (the ids earlier responses carried), got {sent}")
+    if cut_at is not None and cut_at.size > MAX_CUTS:
+        raise UserError(f"cut_at must hold at most {MAX_CUTS} stop strings, got {cut_at.size}")
+    delta = text_delta(tok, ids, sent, bool(final.reshape(-1)[0]))
+    try:
+        stops = () if cut_at is None else tuple(s.decode("utf-8") for s in cut_at.reshape(-1))
+    except (UnicodeDecodeError, AttributeError):
+        raise UserError("cut_at must be UTF-8 stop strings") from None
     return np.array([[cut(delta, stops).encode("utf-8")]], np.object_)
 
 
