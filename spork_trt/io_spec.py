@@ -263,11 +263,17 @@ def fits_tensor(f: RequestField, value, name: Callable[[RequestField], str]) -> 
         raise FieldError(f.field, f"must be at most {FP32_MAX:g} in magnitude (an FP32 tensor), got {value:g}",
                          spelled)
     for text in (value if isinstance(value, (list, tuple)) else [value]):
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise FieldError(f.field, "must be UTF-8 text: it holds a lone UTF-16 surrogate", spelled) from None
+        if isinstance(text, str) and not is_utf8(text):
+            raise FieldError(f.field, "must be UTF-8 text: it holds a lone UTF-16 surrogate", spelled)
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be UTF-8: JSON can carry a lone UTF-16 surrogate ("\\ud800"), no tokenizer or tensor can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 STATS_OUTPUTS = (  # from the spork step straight to the client, in every response

@@ -11,7 +11,7 @@ from typing import Any
 from spork_trt.loop.admission import size_request
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import FieldError, UserError
-from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, request_config
+from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, is_utf8, request_config
 from spork_trt.serving.openai_api.errors import ApiError, bad_request
 from spork_trt.serving.openai_api.model import ROLES, ServedModel
 from spork_trt.spec.grammar import GrammarSpec
@@ -216,12 +216,9 @@ def prompt(body: dict) -> str:
 
 
 def utf8(text: str, where: str) -> str:
-    """`text`, refused when it cannot be UTF-8 (JSON can carry a lone UTF-16 surrogate, "\\ud800"; no tokenizer
-    or tensor can)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(where, f"{where} must be UTF-8 text: it holds a lone UTF-16 surrogate") from None
+    """`text`, refused when it cannot be UTF-8 (io_spec.is_utf8)."""
+    if not is_utf8(text):
+        raise bad_request(where, f"{where} must be UTF-8 text: it holds a lone UTF-16 surrogate")
     return text
 
 
