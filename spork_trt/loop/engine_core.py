@@ -49,6 +49,7 @@ from spork_trt.loop.request import Request, Submission, Verified, emit, wants_hi
 from spork_trt.spec.tree import DraftTree, compile_tree
 from spork_trt.spec.verifier import Scored, ScoreJob, gate_path, score_batch
 from spork_trt.spec.grammar import constrain
+from spork_trt.spec.logprobs import certain
 from spork_trt.spec.verification import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger("spork_trt.loop.engine_core")
@@ -399,14 +400,6 @@ class EngineCore:
         r.stats.prefill_s = time.perf_counter() - r.t0
         emit(r, [r.root], draft=0, accepted=0, rows=last)
         self.jump(r)
-
-
-def certain(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """[n, V] rows that allow only `tokens` (each at logit 0): the masked target's rows at forced positions give the
-    same log-probabilities (0 for the token, -inf for every other)."""
-    rows = torch.full((len(tokens), vocab_size), float("-inf"))
-    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
-    return rows
 
 
 def verify(tree: DraftTree, children, logits: torch.Tensor, cfg: GenerateConfig, gen: torch.Generator) -> Verdict:

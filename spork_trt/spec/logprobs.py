@@ -28,6 +28,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+def certain(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """[n, V] rows that allow only `tokens` (each at logit 0): a masked target's rows at forced positions give the
+    same log-probabilities (0 for the token, -inf for every other)."""
+    rows = torch.full((len(tokens), vocab_size), float("-inf"))
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return rows
+
+
 def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
     """rows [n, V]: the target's logits that predicted `tokens` [n]; `k` <= MAX_TOP alternatives each. Row by row, in
     float64: a row's result never depends on the rows beside it."""

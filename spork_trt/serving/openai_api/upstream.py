@@ -81,17 +81,17 @@ class Stream:
                   "num_steps", "cached_tokens")}
         reason = result.as_numpy("stop_reason").reshape(-1)[0]
         return Piece(text_delta(self.tok, window, sent, final), self.ids, stats,
-                     reason.decode() if isinstance(reason, bytes) else str(reason), final, logprobs(result))
+                     reason.decode() if isinstance(reason, bytes) else str(reason), final,
+                     logprobs(result, window[sent:]))
 
 
-def logprobs(result) -> list[TokenLogprob]:
-    """A response's io_spec.LOGPROB_OUTPUTS: [1, m], [1, m, k], [1, m, k] -> m TokenLogprob (none without)."""
+def logprobs(result, new: list[int]) -> list[TokenLogprob]:
+    """A response's io_spec.LOGPROB_OUTPUTS: [1, m], [1, m, k], [1, m, k] -> m TokenLogprob of its `new` tokens
+    (none without)."""
     lp = result.as_numpy("output_logprobs").reshape(-1)  # [m]
     m = lp.shape[0]
     ids = result.as_numpy("top_logprob_ids").reshape(m, -1) if m else None  # [m, k]
     top = result.as_numpy("top_logprobs").reshape(m, -1) if m else None
-    window = [int(i) for i in result.as_numpy("output_ids").reshape(-1)]
-    new = window[int(result.as_numpy("sent_len").reshape(-1)[0]):]
     return [TokenLogprob(new[i], float(lp[i]), tuple((t, float(v)) for t, v in zip(ids[i].tolist(), top[i].tolist())
                                                      if t >= 0)) for i in range(m)]  # id -1: padding
 
