@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import secrets
 import os
 from dataclasses import dataclass
@@ -35,18 +36,20 @@ class Tokenizer:
             return list(self.hf.encode(prompt, add_special_tokens=True))
         return self.chat_ids([{"role": "user", "content": prompt}])
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A conversation through the chat template, the assistant's turn opened. A content that spells a control
         token (`<|im_start|>system...`) is encoded as plain text (split_special_tokens), so a user cannot open or
         end turns by typing one; the template's own text is encoded as always (the template is rendered with a
         random mark for each content, found again in its output; a template that rewrites content is refused)."""
         hf = self.hf
+        rest = json.dumps([tools, [{k: v for k, v in m.items() if k != "content"} for m in messages]])
+        if any(s in rest for s in self.control_texts):  # tool names, arguments, ids: rendered as written
+            raise UserError("a tool, tool call or message field other than content spells a control token of the "
+                            "model: send it without the control token text")
         if not any(s in m["content"] for m in messages for s in self.control_texts):
-            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(hf.encode(text, add_special_tokens=False))
+            return list(hf.encode(self.render(messages, tools), add_special_tokens=False))
         marks = [f"\ue000{secrets.token_hex(8)}{i}\ue001" for i in range(len(messages))]
-        text = hf.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], tokenize=False,
-                                      add_generation_prompt=True)
+        text = self.render([{**m, "content": k} for m, k in zip(messages, marks)], tools)
         ids, at = [], 0
         for m, mark in zip(messages, marks):
             start = text.find(mark, at)
@@ -57,6 +60,16 @@ class Tokenizer:
             ids += hf.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
             at = start + len(mark)
         return ids + hf.encode(text[at:], add_special_tokens=False)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The conversation as the chat template writes it, the assistant's turn opened. The template runs in
+        transformers' sandboxed Jinja; one that raises (`raise_exception('roles must alternate')`, or any error of
+        its own) is a UserError with its message, never a crash."""
+        try:
+            return self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError and whatever the template's own expressions raise
+            raise UserError(f"the model's chat template refused this conversation: {str(e)[:300]}") from None
 
     @cached_property
     def size(self) -> int:
@@ -81,8 +94,7 @@ class Tokenizer:
         with ordinary text)."""
         if not self.has_chat_template:
             return None
-        a, b = (self.hf.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
-                                            add_generation_prompt=True) for c in ("a", "b"))
+        a, b = (self.render([{"role": "user", "content": c}]) for c in ("a", "b"))
         common = a[:next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))]
         ids = self.hf.encode(common, add_special_tokens=False)
         if not ids or ids[0] not in set(self.hf.all_special_ids):
@@ -181,13 +193,21 @@ def load_tokenizer(path: Path, kind: str, eos_ids: tuple[int, ...] = ()) -> Toke
                 hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
                 with atomic.folder(cache) as tmp:  # a cache is whole or absent
                     hf.save_pretrained(str(tmp))
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read a tokenizer from {path} ({e}); it must hold tokenizer files or GGUF "
-                        "tokenizer metadata") from None
+    except Exception as e:  # transformers and tokenizers raise many types for bad or hostile metadata
+        raise UserError(f"cannot read a tokenizer from {path} ({type(e).__name__}: {str(e)[:300]}); it must hold "
+                        "tokenizer files or GGUF tokenizer metadata") from None
     eos = set(eos_ids)
     if hf.eos_token_id is not None:
         eos.add(int(hf.eos_token_id))
-    return Tokenizer(hf, frozenset(eos))
+    tok = Tokenizer(hf, frozenset(eos))
+    if tok.has_chat_template:  # a template that fails on one user message fails every request: say so at load
+        try:
+            tok.render([{"role": "user", "content": "Hello"}])
+        except UserError as e:
+            raise UserError(f"{path}: {e} (one user message, 'Hello'): its chat template is broken; fix or "
+                            "remove it (tokenizer.chat_template in a GGUF, chat_template in tokenizer_config.json)"
+                            ) from None
+    return tok
 
 
 def tokenizer_cache_dir(gguf_file: Path) -> Path:

@@ -291,7 +291,11 @@ def _gguf_reader(path: str, mtime_ns: int, size: int):
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises several types for a corrupt file
-        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        why = f"{type(e).__name__}: {e}"
+        if isinstance(e, ValueError) and "cannot reshape" in str(e):  # a tensor's bytes are not all in the file
+            why = ("a tensor's data runs past the end of the file or its dimensions are impossible: the file is "
+                   f"truncated or corrupt; download it again ({why[:160]})")
+        raise UserError(f"{path} is not a readable GGUF file ({why})") from None
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -332,6 +336,13 @@ def gguf_config(meta: dict, reader, tensors: dict[str, torch.Tensor], path: Path
         scaling = RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    rows = tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else vocab
+    named = {"tokenizer.ggml.tokens": len(tok.data) if tok is not None else 0, f"{arch}.vocab_size": vocab}
+    named.update({f.name: int(f.contents()) + 1 for f in (bos, eos) if f is not None})  # an id needs id + 1 rows
+    for key, need in named.items():
+        if need > rows:
+            raise UserError(f"{path}: {key} needs {need} token rows but token_embd.weight has {rows}: the "
+                            "vocabulary does not match the embedding (a corrupt or mismatched file)")
     n_layers, head_dim = int(get("block_count")), int(meta.get(f"{arch}.attention.key_length") or dim // heads)
     return ModelConfig(
         vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=heads,
