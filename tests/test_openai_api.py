@@ -60,7 +60,8 @@ def test_tokens_through_stop_is_the_first_prefix_holding_it():
 @pytest.fixture(scope="module")
 def api(default_engines, tmp_path_factory):
     """`serve` with the OpenAI API on free ports; yields (base_url, model name, serve process)."""
-    proc, base, name = start_serve(["--engines", str(default_engines)], tmp_path_factory.mktemp("openai"))
+    proc, base, name = start_serve(["--engines", str(default_engines), "--chat-template", "generic"],
+                                   tmp_path_factory.mktemp("openai"))
     try:
         yield base, name, proc
     finally:
@@ -214,7 +215,9 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
         ("/v1/chat/completions", {"messages": hi}, 400, "model"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400,
+         "messages[0].tool_call_id"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content"),
         ("/v1/chat/completions", {**chat, "n": 17}, 400, "n"),
@@ -224,7 +227,13 @@ def test_bad_requests_get_openai_errors_naming_the_field(api, client):
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "logprobs": 1}, 400, "logprobs"),
         ("/v1/completions", {"model": model, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
-        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400,
+         "tools[1].function.name"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
         ("/v1/chat/completions", {**chat, "logit_bias": {"42": 5}}, 400, "logit_bias"),
         ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, 400, "response_format"),
         ("/v1/chat/completions", {**chat, "response_format": {"type": "regex", "regex": "(unclosed"}}, 400,
@@ -402,6 +411,59 @@ def test_response_format_json_schema_is_constrained_decoding_streamed_or_not(api
     assert plain.choices[0].message.content == want
     any_json = client.chat.completions.create(**kw, response_format={"type": "json_object"})
     json.loads(any_json.choices[0].message.content)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@slow
+def test_tool_call_round_trip_with_the_openai_client(api, client, reference):
+    """`serve --chat-template generic`: tool_choice required -> tool_calls whose arguments validate against the
+    function's schema, the local constrained greedy decoding of the same prompt, spork == plain, streamed == not;
+    the call and its result sent back -> an answer in text; a named choice calls that function."""
+    import jsonschema
+
+    from spork_trt.serving.openai_api.generic_tools import generic_messages
+    from spork_trt.serving.openai_api.tools import parse_tools
+
+    _, model, _ = api
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    kw = dict(model=model, messages=messages, max_tokens=96, temperature=0)
+    r = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required")
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
+    want, _ = reference(reference.tok.chat_ids(generic_messages(messages, tools.spec)), 96, tools.grammar)
+    assert json.loads(want) == {"name": "get_weather", "arguments": args}
+    plain = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required",
+                                           extra_body={"spec_mode": "plain"})
+    assert plain.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    deltas, finish = [], None
+    for c in client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required", stream=True):
+        if c.choices:
+            deltas += c.choices[0].delta.tool_calls or []
+            finish = c.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "get_weather", call.function.arguments)]
+    back = [*messages, ch.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, clear sky"}]
+    answer = client.chat.completions.create(model=model, messages=back, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=32, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    named = client.chat.completions.create(**kw, tools=[WEATHER, CLOCK], tool_choice={
+        "type": "function", "function": {"name": "get_time"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
 
 
 @slow

@@ -128,7 +128,7 @@ def test_health_answers_while_maximal_requests_are_parsed(tmp_path):
     a message list past the cap is refused by its count."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spork_trt.serving.openai_api.params import MAX_MESSAGES
+    from spork_trt.serving.openai_api.messages import MAX_MESSAGES
 
     limit = 4 * 2**20
     msgs = [{"role": "user", "content": "x" * 900}] * MAX_MESSAGES  # 3.9 MB: past any text that fits the context

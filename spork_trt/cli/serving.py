@@ -15,6 +15,7 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve --host 0.0.0.0                    # listen beyond loopback (you decide who can reach it)
   python -m spork_trt serve --drain-timeout 120               # SIGTERM: in-flight requests get 2 minutes to finish
   python -m spork_trt serve --openai-port 0                   # no OpenAI-compatible API (default: on port 9000)
+  python -m spork_trt serve --chat-template generic           # OpenAI tools/tool_choice on a template without tools
   SPORK_API_KEY=$(cat key.txt) python -m spork_trt serve      # the OpenAI API asks for `Authorization: Bearer KEY`
   python -m spork_trt serve --host 0.0.0.0 --api-key "$KEY" --allowed-origin https://chat.example.com
   python -m spork_trt serve --replicas 2                      # two servers behind haproxy on 8000/8001
@@ -55,6 +56,10 @@ def add_serving_commands(sub) -> None:
                    help="the OpenAI-compatible API (/v1/chat/completions, ...) on --host (default: %(default)s; 0: off)")
     s.add_argument("--openai-model", default=None, metavar="NAME",
                    help="the model name the OpenAI API serves (default: the build's checkpoint name)")
+    s.add_argument("--chat-template", default=None, metavar="generic|FILE",
+                   help="how the OpenAI API writes `tools` into the prompt: generic (the project's generic tool "
+                   "format over the checkpoint's own template, docs/serving.md) or a Jinja chat template file that "
+                   "replaces the checkpoint's (default: the checkpoint's own; without tools in it, tools are a 400)")
     s.add_argument("--max-body-bytes", type=int, default=FrontConfig.max_body_bytes, metavar="N",
                    help="the OpenAI API refuses a larger request body while reading it, 413 (default: %(default)s)")
     s.add_argument("--api-key", action="append", metavar="KEY",
@@ -147,6 +152,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
     if not 0 <= a.openai_port < 65536:
         raise UserError(f"--openai-port must be a port number, or 0 for no OpenAI API; got {a.openai_port}")
+    if a.chat_template not in (None, "generic") and not Path(a.chat_template).is_file():
+        raise UserError(f"--chat-template {a.chat_template}: no such file (give a Jinja chat template file, or "
+                        "generic)")
     try:
         gate = gate_config(a.host, a.api_key, a.allowed_host, a.allowed_origin, not a.health_needs_key)
     except ValueError as e:
@@ -166,7 +174,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"starting {what} on {repo}: {served} (log: {cfg.log}) ...", file=sys.stderr, flush=True)
     server.start()
     front = OpenAIServer(FrontConfig(repo, server.grpc_url, a.host, a.openai_port, a.openai_model, a.drain_timeout,
-                                     max_body_bytes=a.max_body_bytes, gate=gate))
+                                     max_body_bytes=a.max_body_bytes, gate=gate, chat_template=a.chat_template))
     try:
         if a.openai_port:
             front.start()

@@ -20,6 +20,7 @@ from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
 from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, Job, parse_job
+from spork_trt.serving.openai_api.tools import Held, read_calls
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
 
 log = logging.getLogger("spork_trt.serving.openai_api")
@@ -149,8 +150,10 @@ async def whole(head: rs.Head, events, job: Job, tok: Tokenizer) -> JSONResponse
             ends[i] = e
         else:
             texts[i].append(e.text)
-    choices = [rs.choice(head, "".join(texts[i]), e.finish_reason, False, index=i, logprobs=None if job.logprobs
-                         is None else rs.logprobs_field(head.kind, tuple(logs[i][:e.completion_tokens]), tok))
+    calls = [read_calls("".join(t), job.tools) if job.tools and job.tools.reads_calls else None for t in texts]
+    choices = [rs.choice(head, "".join(texts[i]), "tool_calls" if calls[i] else e.finish_reason, False, index=i,
+                         logprobs=None if job.logprobs is None else
+                         rs.logprobs_field(head.kind, tuple(logs[i][:e.completion_tokens]), tok), calls=calls[i])
                for i, e in enumerate(ends)]
     use = rs.usage(len(job.prompt_ids), sum(e.completion_tokens for e in ends), ends[0].stats)
     return JSONResponse(rs.whole(head, choices, use, ends[0].stats))
@@ -163,9 +166,10 @@ async def sse(head: rs.Head, first, events, streams: list[Stream], job: Job, tok
         return f"data: {json.dumps(obj)}\n\n"
 
     include_usage, offsets, tokens = job.include_usage, [0] * job.n, 0
+    held = [Held(job.tools) for _ in range(job.n)]  # text that may be a tool call waits for the answer's end
 
-    def logs(i: int, e) -> dict | None:
-        return None if job.logprobs is None else rs.logprobs_field(head.kind, e.logprobs, tok, offsets[i])
+    def logs(i: int, these: tuple) -> dict | None:
+        return None if job.logprobs is None else rs.logprobs_field(head.kind, these, tok, offsets[i])
 
     try:
         if head.kind == CHAT:  # the assistant's role first, as OpenAI streams it
@@ -174,7 +178,15 @@ async def sse(head: rs.Head, first, events, streams: list[Stream], job: Job, tok
         (i, e), ended = first, 0
         while True:
             if isinstance(e, End):
-                final = rs.chunk(head, None, e.finish_reason, with_usage=include_usage, logprobs=logs(i, e), index=i)
+                rest, rest_logs, calls = held[i].end()
+                if rest and not calls:
+                    yield data(rs.chunk(head, rest, with_usage=include_usage, logprobs=logs(i, rest_logs), index=i))
+                    offsets[i] += len(rest)
+                elif calls:
+                    yield data(rs.chunk(head, None, with_usage=include_usage, logprobs=logs(i, rest_logs), index=i,
+                                        calls=calls))
+                final = rs.chunk(head, None, "tool_calls" if calls else e.finish_reason, with_usage=include_usage,
+                                 logprobs=logs(i, e.logprobs), index=i)
                 final["metrics"] = rs.metrics(e.stats)
                 yield data(final)
                 ended, tokens = ended + 1, tokens + e.completion_tokens
@@ -184,8 +196,10 @@ async def sse(head: rs.Head, first, events, streams: list[Stream], job: Job, tok
                     yield "data: [DONE]\n\n"
                     return
             else:
-                yield data(rs.chunk(head, e.text, with_usage=include_usage, logprobs=logs(i, e), index=i))
-                offsets[i] += len(e.text)
+                text, these = held[i].feed(e.text, e.logprobs)
+                if text:
+                    yield data(rs.chunk(head, text, with_usage=include_usage, logprobs=logs(i, these), index=i))
+                    offsets[i] += len(text)
             i, e = await anext(events)
     except ApiError as err:  # after the headers went out: the error as the stream's last event
         yield data(err.body())

@@ -10,6 +10,8 @@ from spork_trt.config import SpecConfig
 from spork_trt.checkpoint.tokenizer import Tokenizer, load_tokenizer
 from spork_trt.errors import UserError
 from spork_trt.serving.openai_api.errors import bad_request
+from spork_trt.serving.openai_api.generic_tools import generic_messages
+from spork_trt.serving.openai_api.tools import Tools
 from spork_trt.spec.grammar import Grammars
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -21,15 +23,20 @@ class ServedModel:
     tokenizer: Tokenizer
     context: int  # positions a request may use: prompt + new tokens (the `spork` model's Service.context)
     vocab_size: int
+    tool_format: str = ""  # how tools reach the prompt: "template" | "generic" | "" (they cannot: tools are a 400)
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The conversation (role/content dicts, checked by params.py) through the chat template, with the
+    def chat_ids(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        """The conversation (checked by messages.py) and the request's tools through the chat template, with the
         assistant's turn opened; for one user message exactly what the ensemble's preprocessing sends."""
         if not self.tokenizer.has_chat_template:
             raise bad_request("messages", f"model {self.name} has no chat template: use /v1/completions")
+        spec = None if tools is None else list(tools.spec)
+        if self.tool_format == "generic" and (spec or any(m["role"] == "tool" or "tool_calls" in m
+                                                          for m in messages)):
+            messages, spec = generic_messages(messages, tools.spec if tools else ()), None
         try:
-            return self.tokenizer.chat_ids(messages)
-        except UserError as e:  # content spelling a control token under a template that rewrites content
+            return self.tokenizer.chat_ids(messages, spec)
+        except UserError as e:  # a control token's text where it cannot be quoted; a template's refusal
             raise bad_request("messages", str(e)) from None
 
     @functools.cached_property
@@ -48,9 +55,25 @@ class ServedModel:
         return list(self.tokenizer.hf.encode(prompt, add_special_tokens=True))
 
 
-def load_served_model(repo: Path, name: str | None = None) -> ServedModel:
+def tool_format(tok: Tokenizer, chat_template: str | None) -> str:
+    """`chat_template`: --chat-template's value (None: the checkpoint's own template; "generic": the generic
+    tool format over it; else a Jinja file that replaces it). A template that reads `tools` writes them itself."""
+    if chat_template == "generic":
+        return "generic"
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise UserError(f"--chat-template {chat_template}: no such file (give a Jinja chat template file, or "
+                            "generic)")
+        tok.hf.chat_template = path.read_text(encoding="utf-8", errors="strict")
+        tok.render([{"role": "user", "content": "Hello"}])  # a broken template fails `serve`, not a request
+    return "template" if "tools" in (getattr(tok.hf, "chat_template", None) or "") else ""
+
+
+def load_served_model(repo: Path, name: str | None = None, chat_template: str | None = None) -> ServedModel:
     """The model a rendered repository serves: its `spork` config names the engines (relative to the repository),
-    the slot size and the drafter; the build's manifest the window and the tokenizer."""
+    the slot size and the drafter; the build's manifest the window and the tokenizer; `chat_template`: tool_format's
+    argument."""
     from spork_trt.checkpoint import manifest as mf
     from spork_trt.serving.triton_repo import spork_model
 
@@ -62,6 +85,7 @@ def load_served_model(repo: Path, name: str | None = None) -> ServedModel:
     context = min(mcfg.max_seq_len, int(params["max_len"]) - SpecConfig.for_draft(params["draft"]).tree_room)
     source = Path(manifest["source"]["path"])
     default = source.name.removesuffix(".gguf") if source.suffix == ".gguf" else source.name
-    model = ServedModel(name or default, load_tokenizer(engines, "hf", mcfg.eos_token_ids), context, mcfg.vocab_size)
+    tok = load_tokenizer(engines, "hf", mcfg.eos_token_ids)
+    model = ServedModel(name or default, tok, context, mcfg.vocab_size, tool_format(tok, chat_template))
     model.max_text_bytes  # noqa: B018 - the longest token's size, found once here, not in a request
     return model

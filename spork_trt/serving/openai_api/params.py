@@ -11,30 +11,31 @@ from typing import Any
 from spork_trt.loop.admission import size_request
 from spork_trt.config import GenerateConfig, SpecConfig
 from spork_trt.errors import FieldError, UserError
-from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, is_utf8, request_config
+from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, request_config
 from spork_trt.serving.openai_api.errors import ApiError, bad_request
-from spork_trt.serving.openai_api.model import ROLES, ServedModel
+from spork_trt.serving.openai_api.messages import messages, text_bytes, utf8
+from spork_trt.serving.openai_api.model import ServedModel
+from spork_trt.serving.openai_api.tools import Tools, parse_tools
 from spork_trt.spec.grammar import GrammarSpec
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 # accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
 DEFAULT_ONLY: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "store": (False,),
 }
 IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
 FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", "n", *SAMPLING},
+                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", "n", "tools",
+                 "tool_choice", *SAMPLING},
           COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
                        "response_format", "logprobs", "n", *SAMPLING}}
 MAX_N = 16  # choices per request (each sampled one is a request of its own)
 MAX_TOP_CHAT, MAX_TOP_COMPLETION = 20, 5  # OpenAI's bounds: top_logprobs (chat), logprobs (completions)
 MAX_SALT = 256  # characters of a cache_salt
-MAX_MESSAGES = 4096  # messages in one chat request
-MAX_PARTS = 256  # text parts in one message's content
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Job:
     grammar: GrammarSpec | None = None  # response_format's: what the output must match (spec/grammar.py)
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked for)
     n: int = 1  # choices (choices.py)
+    tools: Tools | None = None  # tools and tool_choice (tools.py): the output read back as tool_calls
 
 
 def cache_scope(tenant: str, salt: str | None) -> str:
@@ -80,9 +82,13 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     if name != model.name:
         raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
                        "model_not_found")
-    texts = messages(body.get("messages")) if kind == CHAT else prompt(body)
-    fits_text(texts, model, "messages" if kind == CHAT else "prompt")  # before templating or tokenizing anything
-    ids = model.chat_ids(texts) if kind == CHAT else model.prompt_ids(texts)
+    tools = parse_tools(body) if kind == CHAT else None
+    if tools is not None and not model.tool_format:
+        raise bad_request("tools", f"model {model.name}'s chat template has no tool format: start the server with "
+                          "--chat-template generic (the project's generic tool format) or a template file of yours")
+    texts = messages(body.get("messages"), bool(model.tool_format)) if kind == CHAT else prompt(body)
+    fits_text(texts, model, "messages" if kind == CHAT else "prompt", tools)  # before templating or tokenizing
+    ids = model.chat_ids(texts, tools) if kind == CHAT else model.prompt_ids(texts)
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
@@ -111,8 +117,13 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
         raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     grammar = response_format(body.get("response_format"), model)
+    if tools is not None and tools.grammar is not None:
+        if grammar is not None:
+            raise bad_request("response_format", "response_format and a required or named tool_choice cannot both "
+                              "hold the output: send one")
+        grammar = compiled(tools.grammar, model, "tools")
     return Job(kind, tuple(ids), GenerateConfig(size.max_new, cfg.sampling, cfg.stop_strings), stream, include_usage,
-               mode, cache_scope(tenant, salt), grammar, logprobs(body, kind), choices(body))
+               mode, cache_scope(tenant, salt), grammar, logprobs(body, kind), choices(body), tools)
 
 
 def choices(body: dict) -> int:
@@ -172,17 +183,23 @@ def response_format(value, model: ServedModel) -> GrammarSpec | None:
             raise bad_request("response_format", f"response_format.{kind} must be a non-empty string")
     if len(source.encode()) > MAX_GRAMMAR_BYTES:
         raise bad_request("response_format", f"response_format's grammar must be at most {MAX_GRAMMAR_BYTES} bytes")
-    spec = GrammarSpec(FORMATS[kind], source)
+    return compiled(GrammarSpec(FORMATS[kind], source), model, "response_format")
+
+
+def compiled(spec: GrammarSpec, model: ServedModel, param: str) -> GrammarSpec:
+    """`spec`, compiled once here (the compiler caches it for the spork model's turn): a bad one is a 400."""
     try:
         model.grammars.compiled(spec)
     except UserError as e:
-        raise bad_request("response_format", str(e)) from None
+        raise bad_request(param, str(e)) from None
     return spec
 
 
-def fits_text(texts: list[dict[str, str]] | str, model: ServedModel, param: str) -> None:
-    """Refuse text that cannot fit the context whatever it tokenizes to (ServedModel.max_text_bytes), by its size."""
-    size = len(texts.encode()) if isinstance(texts, str) else sum(len(m["content"].encode()) for m in texts)
+def fits_text(texts: list[dict] | str, model: ServedModel, param: str, tools: Tools | None = None) -> None:
+    """Refuse text that cannot fit the context whatever it tokenizes to (ServedModel.max_text_bytes), by its size:
+    the messages' (or the prompt's) and the tools' the template writes beside them."""
+    size = len(texts.encode()) if isinstance(texts, str) else text_bytes(texts)
+    size += len(json.dumps(tools.spec)) if tools is not None else 0
     if size > model.max_text_bytes:
         raise bad_request(param, f"{param} hold {size} bytes of text: no text over {model.max_text_bytes} bytes fits "
                           f"the model's context of {model.context} tokens; send less text", "context_length_exceeded")
@@ -213,41 +230,3 @@ def prompt(body: dict) -> str:
     if not isinstance(value, str) or not value.strip():
         raise bad_request("prompt", "prompt must be a non-empty string (one prompt per request)")
     return utf8(value, "prompt")
-
-
-def utf8(text: str, where: str) -> str:
-    """`text`, refused when it cannot be UTF-8 (io_spec.is_utf8)."""
-    if not is_utf8(text):
-        raise bad_request(where, f"{where} must be UTF-8 text: it holds a lone UTF-16 surrogate")
-    return text
-
-
-def messages(value) -> list[dict[str, str]]:
-    """OpenAI messages -> role/content dicts for the chat template (text only: string content or text parts)."""
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages", "messages must be a non-empty list of {\"role\", \"content\"} objects")
-    if len(value) > MAX_MESSAGES:
-        raise bad_request("messages", f"messages holds {len(value)} messages: at most {MAX_MESSAGES} per request")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
-            raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)} (no tools here)")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise bad_request(f"{where}.{sorted(extra)[0]}", f"{where}.{sorted(extra)[0]} is not supported")
-        out.append({"role": ROLES[m["role"]], "content": content(m.get("content"), f"{where}.content")})
-    if not any(m["content"].strip() for m in out):
-        raise bad_request("messages", "messages hold no text: send some")
-    return out
-
-
-def content(value, where: str) -> str:
-    if isinstance(value, str):
-        return utf8(value, where)
-    if isinstance(value, list) and len(value) > MAX_PARTS:
-        raise bad_request(where, f"{where} holds {len(value)} parts: at most {MAX_PARTS} per message")
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"),
-                                                                                                   str) for p in value):
-        return utf8("".join(p["text"] for p in value), where)
-    raise bad_request(where, f"{where} must be a string or a list of text parts (this model reads text only)")

@@ -48,14 +48,18 @@ def metrics(stats: dict[str, float]) -> dict:
 
 
 def choice(head: Head, text: str | None, finish: str | None, chunk: bool, first: bool = False,
-           logprobs: dict | None = None, index: int = 0) -> dict:
-    """`logprobs`: the tokens' (logprobs_field), None when not asked for; `index`: which of the n choices."""
+           logprobs: dict | None = None, index: int = 0, calls: list[dict] | None = None) -> dict:
+    """`logprobs`: the tokens' (logprobs_field), None when not asked for; `index`: which of the n choices;
+    `calls`: the answer read as tool calls (tools.read_calls): the message's tool_calls, its content null."""
     if head.kind != CHAT:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
     delta = ({"role": "assistant", "content": text or ""} if first else {"content": text} if text else {})
+    if calls:  # whole, in one chunk: the SDK's accumulator reads each call by its index
+        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -82,8 +86,9 @@ def whole(head: Head, choices: list[dict], use: dict, stats: dict) -> dict:
 
 
 def chunk(head: Head, text: str | None, finish: str | None = None, first: bool = False,
-          with_usage: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
-    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first, logprobs, index)]}
+          with_usage: bool = False, logprobs: dict | None = None, index: int = 0, calls: list[dict] | None = None
+          ) -> dict:
+    out = {**head.fields(True), "choices": [choice(head, text, finish, True, first, logprobs, index, calls)]}
     if with_usage:
         out["usage"] = None
     return out

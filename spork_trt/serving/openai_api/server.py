@@ -23,6 +23,7 @@ class FrontConfig:
     max_body_bytes: int = 4 * 2**20  # a larger request body is refused while it is read (413)
     gate: GateConfig = GateConfig()  # API keys, the Host and Origin allow-lists (openai_api/gate.py)
     max_connections: int = 1024  # open connections and requests at once; more are answered 503 at once
+    chat_template: str | None = None  # --chat-template: "generic", a Jinja file, or None (model.tool_format)
 
 
 def refuse_port_in_use(host: str, port: int) -> None:
@@ -48,7 +49,7 @@ class OpenAIServer:
         from spork_trt.serving.openai_api.app import create_app
         from spork_trt.serving.openai_api.model import load_served_model
 
-        model = load_served_model(self.cfg.repo, self.cfg.model_name)
+        model = load_served_model(self.cfg.repo, self.cfg.model_name, self.cfg.chat_template)
         self.model_name = model.name
         config = uvicorn.Config(create_app(model, self.cfg.grpc_url, self.cfg.max_body_bytes, self.cfg.gate), host=self.cfg.host, port=self.cfg.port,
                                 log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=max(1, round(self.cfg.drain_timeout_s)),
