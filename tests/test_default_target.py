@@ -17,12 +17,12 @@ from .test_weights import hf_tiny, write_gguf
 
 
 def test_the_default_model_has_4_bit_blocks_and_an_f32_gguf_has_none(tmp_path):
-    assert default_target.has_int4_blocks(default_gguf_path())
+    assert default_target.has_block_weights(default_gguf_path())
     hf, _ = hf_tiny(tmp_path)
     write_gguf(tmp_path / "f32.gguf", hf)
     write_gguf(tmp_path / "q4.gguf", hf, gguf.GGMLQuantizationType.Q4_1)
-    assert not default_target.has_int4_blocks(tmp_path / "f32.gguf")
-    assert default_target.has_int4_blocks(tmp_path / "q4.gguf")
+    assert not default_target.has_block_weights(tmp_path / "f32.gguf")
+    assert default_target.has_block_weights(tmp_path / "q4.gguf")
     assert choose("fp32", tmp_path / "f32.gguf").device == ONNX
 
 

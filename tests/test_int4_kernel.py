@@ -21,15 +21,16 @@ if int4_kernel.kernel() != "spork":
                 allow_module_level=True)
 
 
-def blocks(n: int, k: int, seed: int, q4_0: bool, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def blocks(n: int, k: int, seed: int, q4_0: bool, bits: int = 4,
+           fp32: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Random blocks: codes [N, K] 0..15 (Q8_0: 0..255, q + 128), d and off [N, K/32] fp16 values (Q4_0: off =
-    -8 d; Q8_0: -128 d)."""
+    -8 d; Q8_0: -128 d), or with `fp32` fp32 values that no fp16 holds (a K-quant's d x scale, -dmin x min)."""
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
-    d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16).astype(np.float32)
-    off = -(1 << (bits - 1)) * d if q4_0 or bits == 8 else rng.uniform(-0.4, 0.1, (n, k // 32)).astype(
-        np.float16).astype(np.float32)
-    return codes, d, off
+    d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float32)
+    d = d if fp32 else d.astype(np.float16).astype(np.float32)
+    off = -(1 << (bits - 1)) * d if q4_0 or bits == 8 else rng.uniform(-0.4, 0.1, (n, k // 32)).astype(np.float32)
+    return codes, d, off if fp32 or q4_0 or bits == 8 else off.astype(np.float16).astype(np.float32)
 
 
 MM = {4: "int4_mm", 8: "q8_mm"}  # the op for each code width
@@ -79,6 +80,34 @@ def test_it_computes_the_blocks_weights(n, k, q4_0, bits):
         assert (wide.double() - want).abs().max() <= wide_tolerance * want.abs().max()
         if avx2:
             assert (wide.double() - want16).abs().max() <= 2 ** -18 * want.abs().max()
+
+
+@pytest.mark.parametrize("bits, fp32", [(4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("n, k", [(80, 96), (960, 576)])
+def test_int4_mm_computes_8_bit_codes_and_fp32_scales(n, k, bits, fp32):
+    """The layouts of the other block types (gguf_blocks.KINDS) through int4_mm, a layer's op: 8-bit codes (Q5_0,
+    Q5_1, Q5_K and Q8_0 in a layer), fp32 scales (Q4_K, Q5_K: no fp16 holds them); bf16 out and `wide` fp32 out, both
+    the float64 reference's within their rounding; 8-bit `wide` is q8_mm's very sums; a row alone is its rows' bits
+    in any count."""
+    codes, d, off = blocks(n, k, seed=n + k + bits, q4_0=False, bits=bits, fp32=fp32)
+    if fp32:
+        assert not np.array_equal(d.astype(np.float16).astype(np.float32), d)  # the test means something
+        with pytest.raises(ValueError, match="not fp16 values"):
+            int4_kernel.pack(codes, d, off, bits=bits)
+    packed, scales = int4_kernel.pack(codes, d, off, bits=bits, fp16=not fp32)
+    assert scales.dtype == (torch.float32 if fp32 else torch.float16) and packed.shape == (n, k * bits // 8)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got, wide = torch.ops.spork.int4_mm(x, packed, scales), torch.ops.spork.int4_mm(x, packed, scales, True)
+    assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), got)
+    want = x.double() @ torch.from_numpy(weights(codes, d, off)).t()
+    wide_tolerance = 2 ** -13 if int4_kernel.arithmetic() == "avx2" else 2 ** -16
+    assert (wide.double() - want).abs().max() <= wide_tolerance * want.abs().max()
+    assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    if bits == 8:
+        assert torch.equal(torch.ops.spork.q8_mm(x, packed, scales), wide)
+    for m in (1, 2, 3, 5):
+        assert torch.equal(torch.ops.spork.int4_mm(x[:m], packed, scales), got[:m])
+        assert torch.equal(torch.ops.spork.int4_mm(x[m:m + 1], packed, scales), got[m:m + 1])
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -142,7 +142,7 @@ def test_the_int4_engine_computes_the_checkpoints_own_blocks(default_checkpoint,
 
 
 def test_int4_needs_a_checkpoint_with_4_bit_blocks():
-    with pytest.raises(UserError, match="own 4-bit blocks"):
+    with pytest.raises(UserError, match="own blocks"):
         onednn.cpu_target(random_checkpoint(tiny_config()), "int4")
 
 

@@ -225,6 +225,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     rt = (Runtime.from_build(a.engines, dtype, verify=a.verify)
           if a.engines else Runtime.load(a.model, a.device, dtype))
     target = f"[generate] target: {rt.target.line()}" + (f" ({why})" if why else "")
+    paths = getattr(rt.engine, "weight_paths", "")
+    target += f"\n[generate] weights: {paths}" if paths else ""
     which = "\n".join(line for line in (which, target) if line)
     if a.mode != "plain":
         parse_draft(spec.draft, rt.cfg.n_layers)  # fail fast, before any work

@@ -2,15 +2,18 @@
 repository and export triton): the fastest lossless target measured on this kind of host whose fidelity holds.
 
 The rule, from measurements (docs/engines.md "Defaults by measurement"; bench fidelity and bench run):
-- A CPU with oneDNN's bf16 kernels (AVX512-BF16 or AMX) and a GGUF checkpoint with Q4_0 / Q4_1 weights: int4 on the
-  CPU torch engine, which computes the checkpoint's own 4-bit blocks (and its Q8_0 LM head) with bf16 matmul inputs
-  and an fp32 residual stream (engines/cpu/engine.py). It is the fastest lossless target measured on a CPU
+- A CPU with oneDNN's bf16 kernels (AVX512-BF16 or AMX) and a GGUF checkpoint with layer weights in block types the
+  engine computes (Q4_0 / Q4_1; where spork's kernels are built also Q4_K, Q5_0, Q5_1, Q5_K and Q8_0: llama.cpp's
+  Q4_K_M and Q5_K_M files, whose Q6_K weights then run in bf16): int4 on the CPU torch engine, which computes the
+  checkpoint's own blocks (and its Q8_0 LM head) with bf16 matmul inputs and an fp32 residual stream
+  (engines/cpu/engine.py). The figures below are the Q4_1 default model's; a K-quant file's fidelity is unmeasured
+  (no real Llama-family K-quant checkpoint is on this machine; the kernels' arithmetic is the same). It is the fastest lossless target measured on a CPU
   (docs/engines.md: 2.7-3.6x llama.cpp's Q4_1 decoding for one request, 1.7-1.8x the fp32 ONNX target served to 16
   clients) and its fidelity to the fp32 target (the same blocks dequantized, fp32 activations) is top-1 0.9918,
   mean KL 0.0002 nats on held-out text (`bench fidelity --cpu-torch int4`).
 - A CPU without them but with AVX2, FMA and F16C, where spork's CPU kernels build (their avx2 flavor: 16-bit integer
   dot products in the matmuls, fp32 fmas in the attention; engines/avx2_matmul.cpp, avx2_ops.cpp) and every matrix
-  of the checkpoint is a 4-bit block weight or the Q8_0 embedding / LM head (all the engine runs is then spork's
+  of the checkpoint is a block weight they compute (no Q6_K, no F16) or the Q8_0 embedding / LM head (all the engine runs is then spork's
   ops: no oneDNN bf16 weight): int4 on the same engine (docs/engines.md "The int4 engine on AVX2 CPUs").
 - Anything else (neither, a checkpoint without 4-bit blocks, a build of another --precision, which its user asked
   for): the build's own ONNX target.
@@ -48,12 +51,27 @@ class Target:
         return f"{self.dtype} on {where} ({self.why})"
 
 
-def has_int4_blocks(gguf: Path) -> bool:
-    """Whether a GGUF file stores weights as Q4_0 / Q4_1 blocks (reads the tensor table, not the weights)."""
-    from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
+HEADS = ("token_embd.weight", "output.weight")  # the embedding and the LM head (q8_mm's, or bf16)
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """The GGUF block types the int4 CPU engine computes on their own blocks on this machine (linears.computes):
+    every kind gguf_blocks keeps where spork's kernels are built (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), else
+    ATen's Q4_0 / Q4_1."""
+    from spork_trt.checkpoint.gguf_blocks import INT4_KINDS, KEPT
+    from spork_trt.engines.cpu import kernels as int4_kernel
+
+    return KEPT if int4_kernel.kernel() == "spork" else INT4_KINDS
+
+
+def has_block_weights(gguf: Path) -> bool:
+    """Whether a GGUF file stores layer weights in block types the int4 CPU engine computes (reads the tensor
+    table, not the weights)."""
     from spork_trt.checkpoint.weights import gguf_reader
 
-    return any(t.tensor_type.name in INT4_KINDS for t in gguf_reader(gguf).tensors)
+    kinds = engine_kinds()
+    return any(t.tensor_type.name in kinds and t.name not in HEADS for t in gguf_reader(gguf).tensors
+               if len(t.shape) >= 2)
 
 
 def tensor_types(gguf: Path) -> list[str]:
@@ -67,13 +85,13 @@ def tensor_types(gguf: Path) -> list[str]:
 
 
 def only_kernel_blocks(gguf: Path) -> bool:
-    """Whether every matrix of a GGUF file is a Q4_0 / Q4_1 block weight, or the embedding / LM head in Q8_0: all
-    the int4 CPU engine then runs is spork's kernels (no oneDNN bf16 weight left: an AVX2 CPU runs it)."""
-    from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
+    """Whether every matrix of a GGUF file is in a block type spork's kernels compute (the embedding / LM head:
+    Q8_0): all the int4 CPU engine then runs is spork's kernels (no oneDNN bf16 weight left, such as a Q6_K one:
+    an AVX2 CPU runs it)."""
+    from spork_trt.checkpoint.gguf_blocks import KEPT
     from spork_trt.checkpoint.weights import gguf_reader
 
-    heads = {"token_embd.weight", "output.weight"}
-    return all(t.tensor_type.name in INT4_KINDS or (t.name in heads and t.tensor_type.name == "Q8_0")
+    return all(t.tensor_type.name in KEPT if t.name not in HEADS else t.tensor_type.name == "Q8_0"
                for t in gguf_reader(gguf).tensors if len(t.shape) >= 2)
 
 
@@ -90,18 +108,18 @@ def choose(precision: str, checkpoint: Path | None) -> Target:
     lacks = [f for f in gguf_features(checkpoint) if f not in FEATURES]
     if lacks:
         return Target(ONNX, "fp32", f"the int4 CPU engine lacks {', '.join(lacks)} for this checkpoint's family")
-    if not has_int4_blocks(checkpoint):
-        from spork_trt.checkpoint.gguf_blocks import INT4_KINDS
-
-        return Target(ONNX, "fp32", f"the checkpoint has no {'/'.join(INT4_KINDS)} blocks for the int4 CPU engine "
-                      f"(its types: {', '.join(tensor_types(checkpoint))})")
+    if not has_block_weights(checkpoint):
+        return Target(ONNX, "fp32", f"the checkpoint has no {'/'.join(engine_kinds())} blocks for the int4 CPU "
+                      f"engine (its types: {', '.join(tensor_types(checkpoint))})")
     from spork_trt.engines.cpu import kernels as int4_kernel
     from spork_trt.engines.cpu.engine import onednn_bf16_available
 
     if not onednn_bf16_available() and not (int4_kernel.kernel() == "spork" and only_kernel_blocks(checkpoint)):
         return Target(ONNX, "fp32", "this CPU has neither oneDNN's bf16 kernels nor spork's CPU kernels for the int4 "
                       "CPU engine")
-    return Target("cpu", "int4", "the checkpoint's own 4-bit blocks: the fastest lossless target on this CPU")
+    kinds = [k for k in tensor_types(checkpoint) if k in engine_kinds()]
+    return Target("cpu", "int4", f"the checkpoint's own {'/'.join(kinds)} blocks: the fastest lossless target on "
+                  "this CPU")
 
 
 def source_path(manifest: dict, checked: bool = True) -> Path | None:

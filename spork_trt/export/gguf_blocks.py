@@ -26,6 +26,7 @@ import numpy as np
 
 from spork_trt.checkpoint.gguf_blocks import BLOCK, Blocks, read_blocks, rope_heads
 
+ONNX_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the block types MatMulNBits takes as they are (its zero points 8 and 128)
 BLOCKS_LAYOUT = "blocks-1"  # in the build's inputs: a change rebuilds int4 graphs made from a GGUF's blocks
 
 
@@ -55,7 +56,7 @@ def keep_blocks(src: Path, out: Path, gguf_path: Path, rope: dict[str, int]) -> 
 
     from spork_trt.export.quantize import save_external
 
-    blocks = read_blocks(gguf_path, rope)
+    blocks = read_blocks(gguf_path, rope, ONNX_KINDS)
     index = {row_key(row): (name, r) for name, b in blocks.items() for r, row in enumerate(b.dequantized())}
     model = onnx.load(str(src))
     g = model.graph

@@ -174,31 +174,37 @@ FewFn few_fn(int r, int t) {
   }
 }
 
+// a tile half's 8 scales (d or off) in fp32: the checkpoint's fp16 ones, or the K-quants' fp32 (avx512_matmul.cpp)
+inline __m256 scales8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+
 constexpr int FEW = 4;  // rows up to which the codes are expanded into registers (again for each register block)
 
 // tiles t0 .. t1 - 1 of chunk c (nt tiles) for every row into y [M, (t1 - t0) * 16] fp32, then out
-template <int BITS, typename Out>
-void chunk(const int16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const at::Half* scales,
+template <int BITS, typename Out, typename S>
+void chunk(const int16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const S* scales,
            const float* xs, const float* xscale, int64_t c, int nt, int t0, int t1, float* y, int16_t* w, Out* out) {
   constexpr int BYTES = GROUP * BITS / 8 * TILE;  // a block of a tile
   const int64_t G = K / GROUP;
   const int n = t1 - t0, ystride = n * TILE;
   const uint8_t* codes = packed + c * G * NT * BYTES;
-  const at::Half* sc = scales + c * G * 2 * NT * TILE;
+  const S* sc = scales + c * G * 2 * NT * TILE;
   std::fill(y, y + M * ystride, 0.f);
   alignas(32) float d[NT * TILE], off[NT * TILE];
   const int rows_at_once = M >= 4 ? 4 : static_cast<int>(M);
   for (int64_t g = 0; g < G; ++g, codes += nt * BYTES, sc += 2 * nt * TILE) {
     for (int i = 0; i < nt * BYTES; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * BYTES + i), _MM_HINT_T0);
-    for (int i = 0; i < 2 * nt * TILE; i += 32)
+    for (int i = 0; i < 2 * nt * TILE; i += 64 / sizeof(S))
       _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
     for (int t = 0; t < n; ++t) {
       if (M > FEW) expand_tile<BITS>(codes + (t0 + t) * BYTES, w, t);
       for (int h = 0; h < 2; ++h) {
-        const auto* s = reinterpret_cast<const __m128i*>(sc + (t0 + t) * TILE + h * 8);
-        _mm256_storeu_ps(d + t * TILE + h * 8, _mm256_cvtph_ps(_mm_loadu_si128(s)));
-        _mm256_storeu_ps(off + t * TILE + h * 8, _mm256_cvtph_ps(_mm_loadu_si128(s + nt * TILE / 8)));
+        const S* s = sc + (t0 + t) * TILE + h * 8;
+        _mm256_storeu_ps(d + t * TILE + h * 8, scales8(s));
+        _mm256_storeu_ps(off + t * TILE + h * 8, scales8(s + nt * TILE));
       }
     }
     for (int64_t m = 0; m < M; m += rows_at_once) {
@@ -249,7 +255,7 @@ inline void quantize_block(const uint16_t* x, int16_t* xq, float* s, float* xs) 
   }
 }
 
-template <int BITS, typename Out>
+template <int BITS, typename Out, typename S>
 at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
   spork_checks::blocks_mm(x, packed, scales, BITS, GROUP, TILE, op);
   const at::Tensor xc = x.contiguous();
@@ -262,7 +268,7 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t i = 0; i < M * G; ++i)
     quantize_block(xp + i * GROUP, xq.data() + i * GROUP, &xscale[i], &xs[i]);
   const uint8_t* pk = packed.data_ptr<uint8_t>();
-  const at::Half* sc = scales.data_ptr<at::Half>();
+  const S* sc = scales.data_ptr<S>();
   Out* dst = out.data_ptr<Out>();
   const int64_t tiles = N / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {  // each thread an equal run of tiles, chunk by chunk
@@ -270,12 +276,23 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     std::vector<int16_t> w(GROUP * NT * TILE);
     for (int64_t c = b / NT; c * NT < e; ++c) {
       const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
-      chunk<BITS>(xq.data(), M, K, N, pk, sc, xs.data(), xscale.data(), c, nt,
-                  static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
-                  static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), w.data(), dst);
+      chunk<BITS, Out, S>(xq.data(), M, K, N, pk, sc, xs.data(), xscale.data(), c, nt,
+                          static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
+                          static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), w.data(), dst);
     }
   });
   return out;
+}
+
+// the layout's code width (spork_checks::code_bits) and the scales' type pick the instance
+template <typename Out>
+at::Tensor any_blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
+  const bool wide_scales = scales.scalar_type() == at::kFloat;
+  if (spork_checks::code_bits(x, packed) == 8)
+    return wide_scales ? blocks_mm<8, Out, float>(x, packed, scales, op)
+                       : blocks_mm<8, Out, at::Half>(x, packed, scales, op);
+  return wide_scales ? blocks_mm<4, Out, float>(x, packed, scales, op)
+                     : blocks_mm<4, Out, at::Half>(x, packed, scales, op);
 }
 
 }  // namespace
@@ -285,12 +302,13 @@ namespace spork_ops {
 bool amx_on() { return false; }  // this library runs AVX2 only
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide) {
-  return wide ? blocks_mm<4, float>(x, packed, scales, "int4_mm")
-              : blocks_mm<4, at::BFloat16>(x, packed, scales, "int4_mm");
+  return wide ? any_blocks_mm<float>(x, packed, scales, "int4_mm")
+              : any_blocks_mm<at::BFloat16>(x, packed, scales, "int4_mm");
 }
 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  return blocks_mm<8, float>(x, packed, scales, "q8_mm");
+  return scales.scalar_type() == at::kFloat ? blocks_mm<8, float, float>(x, packed, scales, "q8_mm")
+                                            : blocks_mm<8, float, at::Half>(x, packed, scales, "q8_mm");
 }
 
 }  // namespace spork_ops

@@ -33,7 +33,11 @@
 //            8-bit: pair p (k = 32g + 2p, + 1), column j, two bytes: c[., 2p], c[., 2p + 1].
 //            A thread reads its run of tiles (threads split the N/16 tiles evenly, a chunk between two if need be; the
 //            last chunk holds the N/16 % 4 tiles left, if any)
-//   scales   the same chunks: for chunk c, block g: d of its columns, then off, fp16
+//   scales   the same chunks: for chunk c, block g: d of its columns, then off, fp16 (the checkpoint's own: Q4_0,
+//            Q4_1, Q5_0, Q5_1, Q8_0) or fp32 (the K-quants': d times a sub-block's 6-bit scale, exact in fp32 only)
+//
+// int4_mm takes either code width (a layer's projections: 4-bit Q4_0 / Q4_1 / Q4_K codes, or 8-bit codes holding a
+// Q5_0 / Q5_1 / Q5_K / Q8_0 block's 5 or 8 bits exactly: cpu/kernels.py's pack), told apart by the packed width
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -94,20 +98,26 @@ struct Codes {
   }
 };
 
+// a tile's 16 scales (d or off) in fp32: fp16 as the checkpoint stores Q4_0 / Q4_1 / Q5_0 / Q8_0 ones, or fp32 for
+// the K-quants' (their d times a sub-block's 6-bit scale: exact in fp32, not in fp16)
+inline __m512 scales16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 scales16(const float* p) { return _mm512_loadu_ps(p); }
+
 // one block of a chunk (codes, sc: its codes and scales), the stream AHEAD blocks on prefetched (the next chunk's,
 // past the end): tiles t0 .. t0 + n - 1 -> their expanded codes w[p * NT + t], d and off - BIAS d
-template <int BITS>
-void expand_block(const uint8_t* codes, const at::Half* sc, int nt, int t0, int n, __m512i* w, __m512* d,
+template <int BITS, typename S>
+void expand_block(const uint8_t* codes, const S* sc, int nt, int t0, int n, __m512i* w, __m512* d,
                   __m512* off) {
   using C = Codes<BITS>;
   for (int i = 0; i < nt * C::BYTES; i += 64)
     _mm_prefetch(reinterpret_cast<const char*>(codes + AHEAD * nt * C::BYTES + i), _MM_HINT_T0);
-  for (int i = 0; i < 2 * nt * TILE; i += 32)
+  for (int i = 0; i < 2 * nt * TILE; i += 64 / sizeof(S))
     _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * 2 * nt * TILE + i), _MM_HINT_T0);
   for (int t = 0; t < n; ++t) {
-    d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (t0 + t) * TILE)));
-    off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[t], _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(sc + (nt + t0 + t) * TILE))));
+    d[t] = scales16(sc + (t0 + t) * TILE);
+    off[t] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[t], scales16(sc + (nt + t0 + t) * TILE));
     C::expand_tile(codes + (t0 + t) * C::BYTES, w, t);
   }
 }
@@ -171,8 +181,8 @@ RowsFn rows_fn(int r, int t) {
 // two alone have too few independent sums to hide vdpbf16ps's latency), the codes expanded into registers as their
 // pairs are used, each x pair broadcast once for the T tiles; then, block by block in order, each output's two fmas:
 // per output the instructions of rows<R, T>, so the same bits
-template <int BITS, int R, int NB, int T>
-void few_rows(const uint16_t* x, int64_t K, const uint8_t* src, int64_t stride, const at::Half* sc, int64_t sstride,
+template <int BITS, int R, int NB, int T, typename S>
+void few_rows(const uint16_t* x, int64_t K, const uint8_t* src, int64_t stride, const S* sc, int64_t sstride,
               int nt, const float* xs, int64_t G, float* y, int64_t ystride) {
   using C = Codes<BITS>;
   __m512 acc[R][NB][T];
@@ -206,10 +216,9 @@ void few_rows(const uint16_t* x, int64_t K, const uint8_t* src, int64_t stride, 
   for (int t = 0; t < T; ++t) {
     __m512 d[NB], off[NB];
     for (int b = 0; b < NB; ++b) {
-      const at::Half* s = sc + b * sstride + t * TILE;
-      d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      off[b] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[b], _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(s + nt * TILE))));
+      const S* s = sc + b * sstride + t * TILE;
+      d[b] = scales16(s);
+      off[b] = _mm512_fnmadd_ps(_mm512_set1_ps(C::BIAS), d[b], scales16(s + nt * TILE));
     }
     for (int r = 0; r < R; ++r) {
       __m512 v = _mm512_loadu_ps(y + r * ystride + t * TILE);
@@ -220,33 +229,34 @@ void few_rows(const uint16_t* x, int64_t K, const uint8_t* src, int64_t stride, 
   }
 }
 
-using FewRowsFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const at::Half*, int64_t, int,
+template <typename S>
+using FewRowsFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const S*, int64_t, int,
                            const float*, int64_t, float*, int64_t);
 
-template <int BITS, int R, int NB>
-FewRowsFn few_rows_fn(int t) {
+template <int BITS, int R, int NB, typename S>
+FewRowsFn<S> few_rows_fn(int t) {
   switch (t) {
-    case 4: return few_rows<BITS, R, NB, 4>;
-    case 3: return few_rows<BITS, R, NB, 3>;
-    case 2: return few_rows<BITS, R, NB, 2>;
-    default: return few_rows<BITS, R, NB, 1>;
+    case 4: return few_rows<BITS, R, NB, 4, S>;
+    case 3: return few_rows<BITS, R, NB, 3, S>;
+    case 2: return few_rows<BITS, R, NB, 2, S>;
+    default: return few_rows<BITS, R, NB, 1, S>;
   }
 }
 
 // `chunk` for R <= 4 rows: tiles t0 .. t0 + n - 1, NB blocks at a time
-template <int BITS, int R, int NB>
-void few(const uint16_t* x, int64_t K, const uint8_t* codes, const at::Half* sc, int nt, int t0, int n,
+template <int BITS, int R, int NB, typename S>
+void few(const uint16_t* x, int64_t K, const uint8_t* codes, const S* sc, int nt, int t0, int n,
          const float* xs, float* y, int64_t ystride) {
   using C = Codes<BITS>;
   const int64_t G = K / GROUP, stride = nt * C::BYTES, sstride = 2 * nt * TILE;
-  const FewRowsFn all = few_rows_fn<BITS, R, NB>(n), one = few_rows_fn<BITS, R, 1>(n);
+  const FewRowsFn<S> all = few_rows_fn<BITS, R, NB, S>(n), one = few_rows_fn<BITS, R, 1, S>(n);
   for (int64_t g = 0; g < G; g += NB) {
     for (int i = 0; i < NB * stride; i += 64)  // the stream AHEAD blocks on, as in `expanded`
       _mm_prefetch(reinterpret_cast<const char*>(codes + (g + AHEAD) * stride + i), _MM_HINT_T0);
-    for (int i = 0; i < NB * sstride; i += 32)
+    for (int i = 0; i < NB * sstride; i += 64 / sizeof(S))
       _mm_prefetch(reinterpret_cast<const char*>(sc + (g + AHEAD) * sstride + i), _MM_HINT_T0);
     const uint8_t* src = codes + g * stride + t0 * C::BYTES;
-    const at::Half* s = sc + g * sstride + t0 * TILE;
+    const S* s = sc + g * sstride + t0 * TILE;
     if (g + NB <= G) {
       all(x + g * GROUP, K, src, stride, s, sstride, nt, xs + g, G, y, ystride);
     } else {
@@ -256,28 +266,28 @@ void few(const uint16_t* x, int64_t K, const uint8_t* codes, const at::Half* sc,
   }
 }
 
-template <int BITS>
-void few_for(int64_t m, const uint16_t* x, int64_t K, const uint8_t* codes, const at::Half* sc, int nt, int t0,
+template <int BITS, typename S>
+void few_for(int64_t m, const uint16_t* x, int64_t K, const uint8_t* codes, const S* sc, int nt, int t0,
              int n, const float* xs, float* y, int64_t ystride) {
   switch (m) {
-    case 1: return few<BITS, 1, 2>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
-    case 2: return few<BITS, 2, 2>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
-    case 3: return few<BITS, 3, 1>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
-    default: return few<BITS, 4, 1>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
+    case 1: return few<BITS, 1, 2, S>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
+    case 2: return few<BITS, 2, 2, S>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
+    case 3: return few<BITS, 3, 1, S>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
+    default: return few<BITS, 4, 1, S>(x, K, codes, sc, nt, t0, n, xs, y, ystride);
   }
 }
 
 // `chunk` for more rows: each block's codes expanded once into w for all rows, then register blocks of up to 4 rows
 // x 4 tiles
-template <int BITS>
-void expanded(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* sc, int nt, int t0,
+template <int BITS, typename S>
+void expanded(const uint16_t* x, int64_t M, int64_t K, const uint8_t* codes, const S* sc, int nt, int t0,
               int n, const float* xs, float* y, int64_t ystride) {
   using C = Codes<BITS>;
   const int64_t G = K / GROUP;
   alignas(64) __m512i w[PAIRS * NT];
   for (int64_t g = 0; g < G; ++g, codes += nt * C::BYTES, sc += 2 * nt * TILE) {
     __m512 d[NT], off[NT];
-    expand_block<BITS>(codes, sc, nt, t0, n, w, d, off);
+    expand_block<BITS, S>(codes, sc, nt, t0, n, w, d, off);
     for (int64_t m = 0; m < M; m += 4) {
       const int r = static_cast<int>(std::min<int64_t>(4, M - m));
       rows_fn(r, n)(x + m * K + g * GROUP, K, w, d, off, xs + m * G + g, G, y + m * ystride, ystride);
@@ -323,8 +333,8 @@ struct alignas(64) AmxBlock {
 // group of R rows (x holds whole groups: rows past M are zeros) the tile unit's sums and each output's two fmas. A
 // unit (block, row group)'s fmas run after the next unit's tile work is issued (its sums and block in the other of
 // two buffers): the tile unit's latency, not its throughput, bounds a few rows
-template <int BITS>
-void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* codes, const at::Half* sc, int nt,
+template <int BITS, typename S>
+void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* codes, const S* sc, int nt,
               int t0, int n, const float* xs, float* y, int64_t ystride) {
   using C = Codes<BITS>;
   const int64_t G = K / GROUP;
@@ -353,7 +363,7 @@ void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* cod
   int pu = 0;
   for (int64_t g = 0, u = 0; g < G; ++g, codes += nt * C::BYTES, sc += 2 * nt * TILE) {
     AmxBlock& bk = blk[g & 1];
-    expand_block<BITS>(codes, sc, nt, t0, n, bk.w, bk.d, bk.off);
+    expand_block<BITS, S>(codes, sc, nt, t0, n, bk.w, bk.d, bk.off);
     for (int64_t m0 = 0; m0 < M; m0 += R, ++u) {
       issue(g, m0, bk, sums[u & 1]);
       if (pg >= 0) finish(pg, pm, blk[pg & 1], sums[pu]);
@@ -366,30 +376,30 @@ void amx_rows(const uint16_t* x, int64_t M, int R, int64_t K, const uint8_t* cod
 
 // tiles t0 .. t1 - 1 of chunk c (which holds nt tiles: 4c .. 4c + nt - 1) for every row: y [M, (t1 - t0) * 16] fp32,
 // then out. Each output column is computed alike whichever tiles share its call, and each row alike whichever path
-template <int BITS, typename Out>
-void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const at::Half* scales,
+template <int BITS, typename Out, typename S>
+void chunk(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const S* scales,
            const float* xs, int64_t c, int nt, int t0, int t1, float* y, Out* out, int amx_r) {
   using C = Codes<BITS>;
   const int64_t G = K / GROUP;
   const int n = t1 - t0, ystride = n * TILE;
   const uint8_t* codes = packed + c * G * NT * C::BYTES;
-  const at::Half* sc = scales + c * G * 2 * NT * TILE;
+  const S* sc = scales + c * G * 2 * NT * TILE;
   std::fill(y, y + M * ystride, 0.f);
   if (amx_r > 0) {
-    amx_rows<BITS>(x, M, amx_r, K, codes, sc, nt, t0, n, xs, y, ystride);
+    amx_rows<BITS, S>(x, M, amx_r, K, codes, sc, nt, t0, n, xs, y, ystride);
   } else if (M <= C::FEW) {
     for (int64_t m = 0; m < M; m += 4)
-      few_for<BITS>(std::min<int64_t>(4, M - m), x + m * K, K, codes, sc, nt, t0, n, xs + m * G, y + m * ystride,
+      few_for<BITS, S>(std::min<int64_t>(4, M - m), x + m * K, K, codes, sc, nt, t0, n, xs + m * G, y + m * ystride,
                     ystride);
   } else {
-    expanded<BITS>(x, M, K, codes, sc, nt, t0, n, xs, y, ystride);
+    expanded<BITS, S>(x, M, K, codes, sc, nt, t0, n, xs, y, ystride);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int t = 0; t < n; ++t) store(out + m * N + (c * NT + t0 + t) * TILE, _mm512_loadu_ps(y + m * ystride + t * TILE));
 }
 
-// x @ the blocks of `packed` / `scales` -> [M, N] of Out (BITS: 4 or 8 per code)
-template <int BITS, typename Out>
+// x @ the blocks of `packed` / `scales` -> [M, N] of Out (BITS: 4 or 8 per code; S: the scales' type)
+template <int BITS, typename Out, typename S>
 at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
   spork_checks::blocks_mm(x, packed, scales, BITS, GROUP, TILE, op);
   const at::Tensor xc = x.contiguous();
@@ -405,7 +415,7 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
   const uint8_t* pk = packed.data_ptr<uint8_t>();
-  const at::Half* sc = scales.data_ptr<at::Half>();
+  const S* sc = scales.data_ptr<S>();
   Out* dst = out.data_ptr<Out>();
   const int64_t tiles = N / TILE;
   // on AMX: groups of R rows, as even as 16 a group allows, x padded with zero rows to whole groups
@@ -423,11 +433,22 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     if (amx_r > 0) amx.emplace(tiles_for(amx_r));
     for (int64_t c = b / NT; c * NT < e; ++c) {
       const int nt = static_cast<int>(std::min<int64_t>(NT, tiles - c * NT));
-      chunk<BITS>(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
-                  static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), dst, amx_r);
+      chunk<BITS, Out, S>(xp, M, K, N, pk, sc, xs.data(), c, nt, static_cast<int>(std::max<int64_t>(b - c * NT, 0)),
+                          static_cast<int>(std::min<int64_t>(e - c * NT, nt)), y.data(), dst, amx_r);
     }
   });
   return out;
+}
+
+// the layout's code width (spork_checks::code_bits) and the scales' type pick the instance
+template <typename Out>
+at::Tensor any_blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const char* op) {
+  const bool wide_scales = scales.scalar_type() == at::kFloat;
+  if (spork_checks::code_bits(x, packed) == 8)
+    return wide_scales ? blocks_mm<8, Out, float>(x, packed, scales, op)
+                       : blocks_mm<8, Out, at::Half>(x, packed, scales, op);
+  return wide_scales ? blocks_mm<4, Out, float>(x, packed, scales, op)
+                     : blocks_mm<4, Out, at::Half>(x, packed, scales, op);
 }
 
 }  // namespace
@@ -447,12 +468,13 @@ bool amx_on() {
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool wide) {
-  return wide ? blocks_mm<4, float>(x, packed, scales, "int4_mm") : blocks_mm<4, at::BFloat16>(x, packed, scales,
-                                                                                             "int4_mm");
+  return wide ? any_blocks_mm<float>(x, packed, scales, "int4_mm") : any_blocks_mm<at::BFloat16>(x, packed, scales,
+                                                                                                 "int4_mm");
 }
 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  return blocks_mm<8, float>(x, packed, scales, "q8_mm");
+  return scales.scalar_type() == at::kFloat ? blocks_mm<8, float, float>(x, packed, scales, "q8_mm")
+                                            : blocks_mm<8, float, at::Half>(x, packed, scales, "q8_mm");
 }
 
 }  // namespace spork_ops

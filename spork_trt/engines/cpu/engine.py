@@ -36,10 +36,10 @@ from contextlib import contextmanager
 import torch
 
 from spork_trt.errors import UserError
-from spork_trt.checkpoint.gguf_blocks import INT4_KINDS, Blocks, blocks_by_parameter
+from spork_trt.checkpoint.gguf_blocks import INT4_KINDS, KEPT, Blocks, blocks_by_parameter
 from spork_trt.checkpoint.transformer import Transformer
 from spork_trt.engines.cpu import forward as cpu_forward, kernels as int4_kernel
-from spork_trt.engines.cpu.linears import PackedLinear, Q8Linear, pack_linears, require_onednn
+from spork_trt.engines.cpu.linears import PackedLinear, Q8Linear, computes, pack_linears, require_onednn
 from spork_trt.engines.cpu.linears import onednn_bf16_available  # noqa: F401 - where callers have asked for it
 from spork_trt.engines.device_engine import DeviceEngine, Pool
 
@@ -92,6 +92,7 @@ class OneDnnEngine(DeviceEngine):
     # On spork::attend trees are exact too (tests/test_onednn_engine.py), but measured slower than chains (int4,
     # bench serve mt_bench: spork / plain 1.08x against 1.32x at 1 client, 0.90x against 0.93x at 16): chains
     exact_trees = False
+    weight_paths = ""  # int4: which block types run how (cpu_target's startup line)
     padded_batches = False  # its linear layers run the real rows only (cpu_forward: packed rows)
     chunks_apart = True  # but its attention runs [B, T]: a prompt chunk beside the trees would pad them all
 
@@ -181,17 +182,33 @@ FEATURES: frozenset[str] = frozenset()  # beyond Llama's decoder (config.Archite
 
 
 def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
-    """Checkpoint `ck` on this engine: bf16, or int4 (its Q4_0 / Q4_1 weights on their own blocks, its Q8_0 LM head,
-    or the embedding it is tied to, on its own blocks where spork's kernels are built, the rest bf16)."""
+    """Checkpoint `ck` on this engine: bf16, or int4: its block weights on their own blocks (Q4_0 / Q4_1 anywhere;
+    where spork's kernels are built also Q4_K, Q5_0, Q5_1, Q5_K and Q8_0, linears.computes), its Q8_0 LM head or
+    the embedding it is tied to on q8_mm there, the rest (Q6_K, F16, ...) bf16."""
     ck.cfg.arch.require(FEATURES, "the CPU torch engine", "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)")
     if dtype != "int4":
         return OneDnnEngine(ck.model, taps)
-    kept = blocks_by_parameter(ck, (*INT4_KINDS, "Q8_0"))
-    blocks = {name: b for name, b in kept.items() if b.kind in INT4_KINDS}
+    kept = blocks_by_parameter(ck)
+    blocks = {name: b for name, b in kept.items() if computes(b.kind) and name != "embed.weight"}
     if not blocks:
-        raise UserError(f"--dtype int4 computes a GGUF checkpoint's own 4-bit blocks (Q4_0, Q4_1): {ck.path} "
-                        "has none; use --dtype bf16")
-    return OneDnnEngine(ck.model, taps, blocks, head=head_blocks(ck.model, kept))
+        kinds = KEPT if int4_kernel.kernel() == "spork" else INT4_KINDS
+        raise UserError(f"--dtype int4 computes a GGUF checkpoint's own blocks ({', '.join(kinds)} on this machine): "
+                        f"{ck.path} has none; use --dtype bf16")
+    engine = OneDnnEngine(ck.model, taps, blocks, head=head_blocks(ck.model, kept))
+    engine.weight_paths = weight_paths(ck.path, isinstance(engine.model.lm_head, Q8Linear))
+    return engine
+
+
+def weight_paths(gguf_path, q8_head: bool) -> str:
+    """One line for startup: which of the file's layer block types run on their own blocks, which in bf16."""
+    from spork_trt.checkpoint.weights import gguf_reader
+
+    layers = sorted({t.tensor_type.name for t in gguf_reader(gguf_path).tensors
+                     if t.name.startswith("blk.") and len(t.shape) >= 2})
+    own, bf16 = [k for k in layers if computes(k)], [k for k in layers if not computes(k)]
+    return (f"{'/'.join(own)} layer weights on their own blocks ({int4_kernel.arithmetic()})"
+            + (f", {'/'.join(bf16)} in bf16 (oneDNN)" if bf16 else "")
+            + (", the Q8_0 LM head on its blocks" if q8_head else ", the LM head in bf16"))
 
 
 def head_blocks(model: Transformer, kept: dict[str, Blocks]) -> Blocks | None:

@@ -64,7 +64,8 @@ class LayerWeights:
     norms: list[torch.Tensor]  # [2L]: each layer's attention then MLP norm weight [C]
     packed: list[torch.Tensor]  # per layer: the q/k/v projection's parts, wo, the gate/up parts, down
     scales: list[torch.Tensor]  # the same projections' int4 block scales, or empty (bf16: cpu_linears.matmul)
-    parts: list[int]  # [q/k/v parts, gate/up parts]: 1 each when fused (cpu_linears.FUSED), else 3 and 2
+    parts: list[int]  # [2L]: each layer's q/k/v parts and gate/up parts: 1 each when fused (cpu_linears.FUSED), else
+    # 3 and 2 (a layer whose parts mix code widths runs them apart: a K-quant file's layers can differ)
     dims: list[int]  # [H, Hkv, D, weights per int4 block, attend's chunk] (TorchScript reads no globals)
     eps: float
     fused: bool  # the layers on spork's CPU kernels (fused_layers), else ATen's ops (layers)
@@ -73,19 +74,20 @@ class LayerWeights:
 
 def layer_weights(model: Transformer) -> LayerWeights:
     """The packed modules' tensors (after cpu_linears.pack_linears) in `layers`' order."""
-    norms, linears = [], []
+    norms, linears, parts = [], [], []
     for blk in model.layers:
         a, m = blk.attn, blk.mlp
         qkv = [a.wqkv] if a.wqkv is not None else [a.wq, a.wk, a.wv]
         gate_up = [m.gate_up] if m.gate_up is not None else [m.gate, m.up]
         norms += [blk.attn_norm.weight, blk.mlp_norm.weight]
         linears += [*qkv, a.wo, *gate_up, m.down]
+        parts += [len(qkv), len(gate_up)]
     a = model.layers[0].attn
     fused = fused_layers_available(a.head_dim)
     scales = [lin.scales for lin in linears]
-    native = (fused and len(qkv) == 1 and len(gate_up) == 1
-              and all(sc.dtype == torch.float16 and sc.numel() > 0 for sc in scales))  # int4_kernel.pack's
-    return LayerWeights(norms, [lin.packed for lin in linears], scales, [len(qkv), len(gate_up)],
+    native = (fused and set(parts) == {1}
+              and all(sc.dtype in (torch.float16, torch.float32) and sc.numel() > 0 for sc in scales))  # pack's
+    return LayerWeights(norms, [lin.packed for lin in linears], scales, parts,
                         [a.n_heads, a.n_kv_heads, a.head_dim, BLOCK, PV_CHUNK], model.layers[0].attn_norm.eps, fused,
                         native)
 
@@ -134,11 +136,12 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
     hidden states [N, C] after each layer in `taps`."""
     padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, hkv, d, group = dims[0], dims[1], dims[2], dims[3]
-    per = parts[0] + parts[1] + 2  # projections a layer has
     tapped: List[torch.Tensor] = []
+    j = 0  # layer i's first projection
     for i in range(len(norms) // 2):
-        j = i * per
-        qkv = project(rms(x, norms[2 * i], eps), packed, scales, j, parts[0], group)  # [N, (H+2Hkv)D]
+        pq, pg = parts[2 * i], parts[2 * i + 1]
+        per = pq + pg + 2  # projections this layer has
+        qkv = project(rms(x, norms[2 * i], eps), packed, scales, j, pq, group)  # [N, (H+2Hkv)D]
         if padding:
             qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, real, qkv)  # padding rows: zeros
         qkv = qkv.view(b, t, -1)  # [B, T, (H+2Hkv)D]
@@ -151,10 +154,10 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
-        x = x + matmul(out, packed[j + parts[0]], scales[j + parts[0]], group)
-        gate, up = project(rms(x, norms[2 * i + 1], eps), packed, scales, j + parts[0] + 1, parts[1], group).chunk(
-            2, dim=-1)
+        x = x + matmul(out, packed[j + pq], scales[j + pq], group)
+        gate, up = project(rms(x, norms[2 * i + 1], eps), packed, scales, j + pq + 1, pg, group).chunk(2, dim=-1)
         x = x + matmul(F.silu(gate) * up, packed[j + per - 1], scales[j + per - 1], group)
+        j += per
         if i + 1 in taps:
             tapped.append(x)
     return x, tapped
@@ -174,27 +177,29 @@ def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch
     (rope_tables)."""
     padding = real.numel() != b * t  # else every row is real: no scatter, no gather
     h, group = dims[0], dims[3]
-    per = parts[0] + parts[1] + 2  # projections a layer has
     n_layers = len(norms) // 2
     tapped: List[torch.Tensor] = []
     y = torch.ops.spork.rms_norm(x, norms[0], eps)
+    j = 0  # layer i's first projection
     for i in range(n_layers):
-        j = i * per
-        qkv = project(y, packed, scales, j, parts[0], group)  # [N, (H+2Hkv)D]
+        pq, pg = parts[2 * i], parts[2 * i + 1]
+        per = pq + pg + 2  # projections this layer has
+        qkv = project(y, packed, scales, j, pq, group)  # [N, (H+2Hkv)D]
         if padding:
             qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, real, qkv)  # padding rows: zeros
         qk = torch.ops.spork.rope_store(qkv, cos, sin, h, pool_k[i], pool_v[i], slots, write)  # [B, H+Hkv, T, D]
         out = torch.ops.spork.attend(qk, h, pool_k[i], pool_v[i], slots, mask)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
-        x, y = torch.ops.spork.add_rms_norm(x, matmul(out, packed[j + parts[0]], scales[j + parts[0]], group, True),
+        x, y = torch.ops.spork.add_rms_norm(x, matmul(out, packed[j + pq], scales[j + pq], group, True),
                                             norms[2 * i + 1], eps)
-        gate_up = project(y, packed, scales, j + parts[0] + 1, parts[1], group)  # [N, 2F]
+        gate_up = project(y, packed, scales, j + pq + 1, pg, group)  # [N, 2F]
         down = matmul(torch.ops.spork.silu_mul(gate_up), packed[j + per - 1], scales[j + per - 1], group, True)
         if i + 1 < n_layers:
             x, y = torch.ops.spork.add_rms_norm(x, down, norms[2 * i + 2], eps)
         else:
             x = x + down
+        j += per
         if i + 1 in taps:
             tapped.append(x)
     return x, tapped

@@ -170,11 +170,12 @@ def build_directory(fl: Flavor | None = None) -> Path:
 STALE_LOCK_S = 600  # a build takes ~10 s on 2 cores
 
 
-def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, K] (4 bits: 0..15; 8 bits: Q8_0's q + 128, 0..255), d and off [N, K/32] (w = d q + off with the
-    4-bit codes, d (c - 128) with the 8-bit ones: off = -128 d; the checkpoint's fp16 values) -> packed
-    [N, K * bits / 8] uint8 and scales [N, K/16] fp16, both in avx512_matmul.cpp's order: chunks of CHUNK columns,
-    block by block."""
+def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray, bits: int = 4,
+         fp16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (4 bits: 0..15; 8 bits: 0..255, e.g. Q8_0's q + 128 or Q5's 0..31), d and off [N, K/32]
+    (w = d c + off: Q8_0's off = -128 d, Q5_0's -16 d; the checkpoint's fp16 values, or with `fp16` False the
+    K-quants' fp32 ones) -> packed [N, K * bits / 8] uint8 and scales [N, K/16] fp16 (fp32), both in
+    avx512_matmul.cpp's order: chunks of CHUNK columns, block by block."""
     n, k = codes.shape
     if n % TILE or k % 32:
         raise ValueError(f"spork's block kernels need N a multiple of {TILE} and K of 32, not [{n}, {k}]")
@@ -185,10 +186,12 @@ def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray, bits: int = 4) -> tu
     else:
         pairs = codes.astype(np.uint8).reshape(n // TILE, TILE, g, 16, 2)  # [tile, j, g, p, h]: k = 32g + 2p + h
         tiles = pairs.transpose(2, 0, 3, 1, 4)  # [g, tile, p, j, h]
-    scales = np.stack([d.T, off.T], axis=1).astype(np.float16).reshape(g, 2, n // TILE, TILE)  # [g, d|off, tile, j]
+    kind = np.float16 if fp16 else np.float32
+    scales = np.stack([d.T, off.T], axis=1).astype(kind).reshape(g, 2, n // TILE, TILE)  # [g, d|off, tile, j]
     if not (np.array_equal(scales[:, 0].reshape(g, n).astype(np.float32), d.T)
             and np.array_equal(scales[:, 1].reshape(g, n).astype(np.float32), off.T)):
-        raise ValueError("the blocks' scales are not fp16 values: spork's kernel would not compute their weights")
+        raise ValueError(f"the blocks' scales are not {'fp16' if fp16 else 'fp32'} values: spork's kernel would not "
+                         "compute their weights")
     per = CHUNK // TILE
     chunks = range(0, n // TILE, per)
     packed = np.concatenate([tiles[:, c:c + per].ravel() for c in chunks])  # each chunk [g, its tiles, e|p, j, h]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spork_trt.errors import UserError
-from spork_trt.checkpoint.gguf_blocks import BLOCK, INT4_KINDS, Blocks
+from spork_trt.checkpoint.gguf_blocks import BLOCK, INT4_KINDS, KEPT, Blocks
 from spork_trt.checkpoint.transformer import MLP, Attention
 from spork_trt.engines.cpu import kernels as int4_kernel
 
@@ -35,7 +35,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: i
     engines/cpu/forward.py runs it inside its scripted layers."""
     if scales.numel() == 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if scales.dtype == torch.float16:  # packed for spork::int4_mm (cpu/kernels.py)
+    if scales.dtype == torch.float16 or scales.dtype == torch.float32:  # packed for spork::int4_mm (cpu/kernels.py)
         return torch.ops.spork.int4_mm(x, packed, scales, wide)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales)
 
@@ -73,15 +73,18 @@ class PackedLinear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """nn.Linear (no bias) computing a checkpoint's Q4_0 / Q4_1 blocks with ATen's int4 CPU kernel."""
+    """nn.Linear (no bias) computing a checkpoint's blocks: on spork's kernel any kind it holds (gguf_blocks.KINDS:
+    4-bit Q4_0 / Q4_1 / Q4_K codes, 8-bit codes for Q5_0 / Q5_1 / Q5_K / Q8_0), else Q4_0 / Q4_1 on ATen's int4 CPU
+    kernel (`computes`)."""
 
     def __init__(self, blocks: Blocks) -> None:
         super().__init__()
-        assert blocks.kind in INT4_KINDS, blocks.kind
+        assert computes(blocks.kind), blocks.kind
         self.out_features = blocks.codes.shape[0]
-        if int4_kernel.kernel() == "spork":  # w = d q + off exactly (Q4_0: q - 8 scaled by d)
-            off = blocks.m if blocks.m is not None else -8 * blocks.d
-            self.packed, self.scales = int4_kernel.pack(blocks.codes, blocks.d, off)
+        if int4_kernel.kernel() == "spork":  # w = d (c - shift) + m exactly: off = m, or -shift d
+            off = blocks.m if blocks.m is not None else -blocks.spec.shift * blocks.d
+            self.packed, self.scales = int4_kernel.pack(blocks.codes, blocks.d, off, blocks.spec.bits,
+                                                        blocks.spec.fp16)
         else:
             codes = torch.from_numpy(blocks.codes.astype(np.int32))  # [N, K] in 0..15
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -117,13 +120,27 @@ class Q8Linear(nn.Module):
 FUSED = ((Attention, "wqkv", ("wq", "wk", "wv")), (MLP, "gate_up", ("gate", "up")))  # one matmul for several
 
 
+def computes(kind: str) -> bool:
+    """Whether this process's block kernel computes `kind` on its own blocks: spork's every kind gguf_blocks keeps,
+    ATen's Q4_0 / Q4_1."""
+    return kind in (KEPT if int4_kernel.kernel() == "spork" else INT4_KINDS)
+
+
 def fused_blocks(parts: list[Blocks | None]) -> Blocks | None:
-    """The blocks of the projections `parts` stacked by output row, when all are 4-bit blocks of one kind."""
-    if any(p is None or p.kind not in INT4_KINDS for p in parts) or len({p.kind for p in parts}) != 1:
+    """The blocks of the projections `parts` stacked by output row, when all are blocks of one kind (or, on spork's
+    kernel, of kinds of one code width: their codes shifted, their scales as fp32 where one kind needs it)."""
+    if any(p is None or not computes(p.kind) for p in parts):
+        return None
+    mixed = len({p.kind for p in parts}) != 1
+    if mixed and (int4_kernel.kernel() != "spork" or len({p.spec.bits for p in parts}) != 1):
         return None
     cat = lambda arrays: np.concatenate(arrays, axis=0)  # noqa: E731
-    return Blocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.d for p in parts]),
-                  None if parts[0].m is None else cat([p.m for p in parts]))
+    if not mixed:
+        return Blocks(parts[0].kind, cat([p.codes for p in parts]), cat([p.d for p in parts]),
+                      None if parts[0].m is None else cat([p.m for p in parts]))
+    offs = [p.m if p.m is not None else -p.spec.shift * p.d for p in parts]  # w = d c + off for each
+    kind = next((p.kind for p in parts if not p.spec.fp16), None) or ("Q4_1" if parts[0].spec.bits == 4 else "Q5_1")
+    return Blocks(kind, cat([p.codes for p in parts]), cat([p.d for p in parts]), cat(offs))
 
 
 def pack_linears(model: nn.Module, blocks: dict[str, Blocks], prefix: str = "") -> None:
@@ -141,7 +158,7 @@ def pack_linears(model: nn.Module, blocks: dict[str, Blocks], prefix: str = "") 
         weight = f"{prefix}{name}.weight"
         if isinstance(child, nn.Linear):
             kept = blocks.get(weight)
-            setattr(model, name, Int4Linear(kept) if kept is not None and kept.kind in INT4_KINDS
+            setattr(model, name, Int4Linear(kept) if kept is not None and computes(kept.kind)
                     else PackedLinear(child.weight))
         else:
             pack_linears(child, blocks, f"{prefix}{name}.")

@@ -18,13 +18,20 @@ inline const uint16_t* bf16_in(const at::Tensor& t) {
 }
 inline uint16_t* bf16_out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// int4_mm / q8_mm: x [M, K] bf16, packed [N, K * bits / 8] uint8, scales [N, K/16] fp16, blocks of `group`, N a
-// multiple of `tile`
+// the code width of an int4_mm layout: 8 where packed holds a byte per weight ([N, K]), else 4 ([N, K/2]; a wrong
+// shape is then refused by blocks_mm)
+inline int code_bits(const at::Tensor& x, const at::Tensor& packed) {
+  return x.dim() == 2 && packed.dim() == 2 && packed.size(1) == x.size(1) ? 8 : 4;
+}
+
+// int4_mm / q8_mm: x [M, K] bf16, packed [N, K * bits / 8] uint8, scales [N, K/16] fp16 or fp32, blocks of `group`,
+// N a multiple of `tile`
 inline void blocks_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int bits, int group,
                       int tile, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, op, ": packed must be [N, K * bits / 8] uint8");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf, op, ": scales must be [N, K/16] fp16");
+  TORCH_CHECK(scales.dim() == 2 && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat), op,
+              ": scales must be [N, K/16] fp16 or fp32");
   const int64_t K = x.size(1), N = packed.size(0);
   TORCH_CHECK(K % group == 0 && N % tile == 0 && packed.size(1) * 8 == K * bits && scales.size(0) == N &&
                   scales.size(1) == 2 * (K / group),
