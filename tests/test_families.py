@@ -134,12 +134,16 @@ def sentencepiece_model(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def gguf_files(checkpoints, tmp_path_factory):
     """family -> the GGUF (f32) llama.cpp's own converter writes from that family's transformers model."""
+    return converted(checkpoints, tmp_path_factory.mktemp("gguf"), "f32")
+
+
+def converted(checkpoints, root: Path, outtype: str) -> dict[str, Path]:
+    """family -> the GGUF of `outtype` (f32, q8_0, ...) llama.cpp's own converter writes under `root`."""
     import shutil
     import subprocess
     import sys
 
     assert CONVERTER.is_file(), f"{CONVERTER} is missing: `make test` unpacks llama.cpp's converter first"
-    root = tmp_path_factory.mktemp("gguf")
     spm_file = sentencepiece_model(root / "tokenizer.model")
     llama_cpp = CONVERTER.parent
     env = {**os.environ, "PYTHONPATH": f"{llama_cpp / 'gguf-py'}{os.pathsep}{llama_cpp}"}  # its own gguf-py
@@ -155,7 +159,7 @@ def gguf_files(checkpoints, tmp_path_factory):
             for f in d.glob("tokenizer*"):
                 shutil.copyfile(f, src / f.name)
         r = subprocess.run([sys.executable, str(CONVERTER), str(src), "--outfile", str(root / f"{family}.gguf"),
-                            "--outtype", "f32"], env=env, capture_output=True, text=True, timeout=600)
+                            "--outtype", outtype], env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         out[family] = root / f"{family}.gguf"
     return out
@@ -227,11 +231,13 @@ def test_greedy_tokens_on_the_onnx_target_are_transformers_and_spork_is_plain(ch
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_engines_without_a_familys_features_refuse_it_in_one_line(checkpoints, family):
+    """The device engine runs Llama's decoder only (the CPU torch engine runs every family: test_family_engine.py)."""
     ck = load_checkpoint(checkpoints[family][1])
-    from spork_trt.engines.cpu.engine import cpu_target
+    from spork_trt.engines.device_engine import DeviceEngine
 
-    with pytest.raises(UserError, match=rf"cannot run a {family} checkpoint: it lacks .*--dtype fp32") as e:
-        cpu_target(ck, "bf16")
+    with pytest.raises(UserError, match=rf"the device engine cannot run a {family} checkpoint: it lacks .*--dtype "
+                       "fp32") as e:
+        DeviceEngine(ck.model, "cpu", "fp32")
     assert "\n" not in str(e.value)
 
 

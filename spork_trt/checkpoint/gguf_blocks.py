@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from spork_trt.errors import UserError
+from spork_trt.checkpoint.families import GGUF_PERMUTED_QK
 from spork_trt.checkpoint.weights import entries, gguf_reader, unpermute_rope
 
 BLOCK = 32
@@ -118,7 +119,27 @@ def read_blocks(gguf_path: Path, rope_heads: dict[str, int], kinds: tuple[str, .
 
 def rope_heads(cfg) -> dict[str, int]:
     """GGUF tensor name -> head count, for the tensors whose rows llama.cpp permuted per head."""
+    if cfg.arch.family not in GGUF_PERMUTED_QK:
+        return {}
     return {gg: e.rope_heads(cfg) for e, _, _, gg in entries(cfg) if e.rope_heads is not None}
+
+
+def split_fused(cfg, blocks: dict[str, Blocks]) -> dict[str, Blocks]:
+    """Phi-3's fused q/k/v and gate/up tensors split by output row into the tensors LAYOUT names, as
+    weights.unfuse splits the loaded weights (each row's blocks are that row's)."""
+    from spork_trt.checkpoint.weights import FUSED
+
+    for _, fused, _, parts, rows in FUSED:
+        for i in range(cfg.n_layers):
+            b = blocks.get(fused.format(i=i))
+            if b is None or b.codes.shape[0] != sum(rows(cfg)) or (fused.endswith("ffn_up.weight")
+                                                                  and f"blk.{i}.ffn_gate.weight" in blocks):
+                continue
+            del blocks[fused.format(i=i)]
+            at = np.cumsum(rows(cfg))[:-1]
+            pieces = zip(*(np.split(a, at) if a is not None else [None] * len(parts) for a in (b.codes, b.d, b.m)))
+            blocks |= {part.format(i=i): Blocks(b.kind, c, d, m) for part, (c, d, m) in zip(parts, pieces)}
+    return blocks
 
 
 def blocks_by_parameter(ck, kinds: tuple[str, ...] = KEPT) -> dict[str, Blocks]:
@@ -126,7 +147,7 @@ def blocks_by_parameter(ck, kinds: tuple[str, ...] = KEPT) -> dict[str, Blocks]:
     ({} for other checkpoints); checked: each one dequantizes to the loaded weight bit for bit."""
     if ck.kind != "gguf":
         return {}
-    by_file = read_blocks(ck.path, rope_heads(ck.cfg), kinds)
+    by_file = split_fused(ck.cfg, read_blocks(ck.path, rope_heads(ck.cfg), kinds))
     params = dict(ck.model.named_parameters())
     out = {}
     for _, ours, _, gg in entries(ck.cfg):

@@ -145,9 +145,13 @@ class Bucket:
 
 
 class DeviceEngine(Engine):
+    name = "the device engine"
+    features: frozenset[str] = frozenset()  # what it runs beyond Llama's decoder (config.Architecture.features)
+
     def __init__(self, model: Transformer, device: str = "cuda", dtype: str = DEVICE_DTYPE, taps: tuple[int, ...] = (),
                  graphs: bool | None = None, lookahead: int = LOOKAHEAD) -> None:
-        model.cfg.arch.require(frozenset(), "the device engine", "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)")
+        model.cfg.arch.require(self.features, self.name, "run it on the PyTorch reference engine (`python -m "
+                               "spork_trt generate --model PATH --dtype fp32`)")
         self.device = require_device(device)
         if dtype not in DTYPES:
             raise UserError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
@@ -157,6 +161,7 @@ class DeviceEngine(Engine):
                         "can change the tokens (fp32 is)", dtype)
         self.model = copy.deepcopy(model).eval().to(self.device, DTYPES[dtype])  # the weights on the device, once
         self.model.inv_freq = model.inv_freq.to(self.device)  # RoPE frequencies stay fp32
+        self.model.local_inv_freq = model.local_inv_freq.to(self.device)
         self.taps = taps
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self.lookahead = lookahead if self.graphs else 0  # eagerly, each forward's own bucket

@@ -41,10 +41,13 @@ from spork_trt.checkpoint.transformer import Transformer
 from spork_trt.engines.cpu import forward as cpu_forward, kernels as int4_kernel
 from spork_trt.engines.cpu.linears import PackedLinear, Q8Linear, computes, pack_linears, require_onednn
 from spork_trt.engines.cpu.linears import onednn_bf16_available  # noqa: F401 - where callers have asked for it
+from spork_trt.config import EVERY_FEATURE
+from spork_trt.engines.cpu.family_forward import family_weights
 from spork_trt.engines.device_engine import DeviceEngine, Pool
 
 CTX_ROUND = 64  # a forward attends positions [0, C), C a multiple of this (each step copies that window)
 ROW_FLOOR = 2  # rows a forward with a bf16 matmul runs at least (measured: tests/test_onednn_engine.py, docs/engines.md)
+FEATURES = EVERY_FEATURE  # beyond Llama's decoder (config.Architecture.features): every family's, on family_forward
 
 
 @contextmanager
@@ -92,6 +95,8 @@ class OneDnnEngine(DeviceEngine):
     # On spork::attend trees are exact too (tests/test_onednn_engine.py), but measured slower than chains (int4,
     # bench serve mt_bench: spork / plain 1.08x against 1.32x at 1 client, 0.90x against 0.93x at 16): chains
     exact_trees = False
+    name = "the CPU torch engine"
+    features = FEATURES
     weight_paths = ""  # int4: which block types run how (cpu_target's startup line)
     padded_batches = False  # its linear layers run the real rows only (cpu_forward: packed rows)
     chunks_apart = True  # but its attention runs [B, T]: a prompt chunk beside the trees would pad them all
@@ -107,8 +112,11 @@ class OneDnnEngine(DeviceEngine):
         super().__init__(model, "cpu", "bf16", taps, graphs=False, lookahead=0)
         if head is not None and int4_kernel.kernel() == "spork":
             self.model.lm_head = Q8Linear(head)  # before pack_linears, which packs every nn.Linear left
+        biases = qkv_biases(self.model)  # before pack_linears, whose linears have none
         pack_linears(self.model, blocks or {})
         self.weights = cpu_forward.layer_weights(self.model)
+        arch = self.model.cfg.arch
+        self.family = family_weights(self.model, biases) if arch.features() else None  # family_forward's layers
         bf16_body = any(isinstance(m, PackedLinear) for m in self.model.layers.modules())
         self.row_floor = (ROW_FLOOR if bf16_body else 1) if row_floor is None else row_floor
         self.head_floor = ROW_FLOOR if isinstance(self.model.lm_head, PackedLinear) else 1
@@ -155,13 +163,20 @@ class OneDnnEngine(DeviceEngine):
         first = min(slots)  # a free slot in the window sits at first + its place
         kv = WindowKV(pool, [slots[e] if e is not None else first + i for i, e in enumerate(members)], write, c)
         out = cpu_forward.forward(self.model, self.weights, ids, pos, mask, kv, self.taps if hidden is not None else (),
-                                  rows, torch.tensor(real))
+                                  rows, torch.tensor(real), self.family)
         for e, (cache, tokens, *_) in enumerate(entries):
             cache.written(len(tokens))
             if hidden is not None:
                 hidden.append(out.hidden[starts[e]:starts[e] + len(tokens)].float())  # [n, k*C]
         logits = out.logits[:len(asked)].float()  # [R, V]
         return list(torch.split(logits, [len(e[4]) for e in entries]))
+
+
+def qkv_biases(model: Transformer) -> list[torch.Tensor]:
+    """Each layer's q, k and v biases side by side [(H + 2 Hkv) D] (Qwen2's), or [] where the family has none."""
+    if not model.cfg.arch.qkv_bias:
+        return []
+    return [torch.cat([a.wq.bias, a.wk.bias, a.wv.bias]).detach() for a in (blk.attn for blk in model.layers)]
 
 
 def window_members(slots: list[int], pad: bool = True) -> list[int | None]:
@@ -178,14 +193,10 @@ def window_members(slots: list[int], pad: bool = True) -> list[int | None]:
     return [by_slot.get(s) for s in range(slots[order[0]], slots[order[0]] + span)]
 
 
-FEATURES: frozenset[str] = frozenset()  # beyond Llama's decoder (config.Architecture.features): none yet
-
-
 def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
     """Checkpoint `ck` on this engine: bf16, or int4: its block weights on their own blocks (Q4_0 / Q4_1 anywhere;
     where spork's kernels are built also Q4_K, Q5_0, Q5_1, Q5_K and Q8_0, linears.computes), its Q8_0 LM head or
     the embedding it is tied to on q8_mm there, the rest (Q6_K, F16, ...) bf16."""
-    ck.cfg.arch.require(FEATURES, "the CPU torch engine", "run it on the PyTorch reference engine (`python -m spork_trt generate --model PATH --dtype fp32`)")
     if dtype != "int4":
         return OneDnnEngine(ck.model, taps)
     kept = blocks_by_parameter(ck)

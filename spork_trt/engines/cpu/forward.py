@@ -83,7 +83,7 @@ def layer_weights(model: Transformer) -> LayerWeights:
         linears += [*qkv, a.wo, *gate_up, m.down]
         parts += [len(qkv), len(gate_up)]
     a = model.layers[0].attn
-    fused = fused_layers_available(a.head_dim)
+    fused = fused_layers_available(a.head_dim) and not model.cfg.arch.features()  # spork's ops: Llama's layers
     scales = [lin.scales for lin in linears]
     native = (fused and set(parts) == {1}
               and all(sc.dtype in (torch.float16, torch.float32) and sc.numel() > 0 for sc in scales))  # pack's
@@ -151,7 +151,7 @@ def layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch.Tenso
         layer_k, layer_v = pool_k[i], pool_v[i]  # [slots, Hkv, S, D]
         layer_k.index_put_(at, qk[:, h:].to(layer_k.dtype))
         layer_v.index_put_(at, v.to(layer_v.dtype))
-        out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims)  # [B*T, H*D]
+        out = window_attention(qk, layer_k, layer_v, first, gather, c, bias, dims, 0.0)  # [B*T, H*D]
         if padding:
             out = out.index_select(0, real)  # [N, H*D]
         x = x + matmul(out, packed[j + pq], scales[j + pq], group)
@@ -206,9 +206,9 @@ def fused_layers(x: torch.Tensor, real: torch.Tensor, b: int, t: int, cos: torch
 
 
 def window_attention(qk: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, first: int,
-                     gather: torch.Tensor, c: int, bias: torch.Tensor, dims: List[int]) -> torch.Tensor:
+                     gather: torch.Tensor, c: int, bias: torch.Tensor, dims: List[int], scale: float) -> torch.Tensor:
     """qk [B, H+Hkv, T, D] (rotated) over a copy of the pool's positions [0, c) -> out [B*T, H*D], by bmms in bf16
-    (where spork::attend is not built)."""
+    (where spork::attend is not built); the scores times `scale`, or divided by sqrt(D) where it is 0 (Llama's)."""
     b, t = qk.shape[0], qk.shape[2]
     h, hkv, d = dims[0], dims[1], dims[2]
     g = h // hkv
@@ -220,7 +220,8 @@ def window_attention(qk: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Ten
         keys, values = layer_k[:, :, :c].index_select(0, gather), layer_v[:, :, :c].index_select(0, gather)
     keys, values = keys.reshape(b * hkv, c, d), values.reshape(b * hkv, c, d)
     q = qk[:, :h].reshape(b * hkv, g * t, d)
-    scores = (torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
+    scores = torch.bmm(q, keys.transpose(1, 2))
+    scores = (scores * scale if scale != 0.0 else scores / math.sqrt(d)).view(b, hkv, g, t, c)  # [B, Hkv, G, T, C]
     probs = torch.softmax(scores.float() + bias, dim=-1).to(q.dtype)
     out = attend(probs.view(b * hkv, g * t, c), values, dims[4])  # [B*Hkv, G*T, D]
     return out.view(b, h, t, d).transpose(1, 2).reshape(b * t, h * d)
@@ -242,12 +243,18 @@ def scripted(fused: bool):
 
 
 def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-            kv, taps: tuple[int, ...], logit_rows: torch.Tensor, real: torch.Tensor | None = None) -> ModelOutput:
-    """model.Transformer.forward over every layer, in this module's ops, on the rows `real` (default: all)."""
+            kv, taps: tuple[int, ...], logit_rows: torch.Tensor, real: torch.Tensor | None = None,
+            family=None) -> ModelOutput:
+    """model.Transformer.forward over every layer, in this module's ops, on the rows `real` (default: all);
+    `family` (family_forward.FamilyWeights): a family beyond Llama's decoder, on family_forward's layers."""
     b, t = ids.shape
     real = torch.arange(b * t) if real is None else real  # [N]
     x = model.embed(ids.reshape(-1)[real])  # [N, C]
-    if weights.fused:
+    if family is not None:
+        from spork_trt.engines.cpu.family_forward import run_family
+
+        x, tapped = run_family(model, weights, family, x, real, pos, mask, kv, taps)
+    elif weights.fused:
         cos, sin = rope_tables(pos, model.inv_freq, torch.float32)  # [B, 1, T, D]: [B, T, D] in memory
         args = (x.float(), real, b, t, cos, sin, mask.contiguous(), kv.pool.k, kv.pool.v, kv.slots, kv.write,
                 weights.norms, weights.packed, weights.scales)  # x [N, C] fp32: what both take first
@@ -267,4 +274,6 @@ def forward(model: Transformer, weights: LayerWeights, ids: torch.Tensor, pos: t
     x = x[logit_rows]  # [R, C]
     normed = (torch.ops.spork.rms_norm(x, model.norm.weight, model.norm.eps) if weights.fused
               else rms(x, model.norm.weight, model.norm.eps))  # [R, C] bf16
-    return ModelOutput(logits=model.lm_head(normed), hidden=hidden)
+    logits = model.lm_head(normed)
+    cap = model.cfg.arch.final_softcap
+    return ModelOutput(logits=torch.tanh(logits / cap) * cap if cap else logits, hidden=hidden)
