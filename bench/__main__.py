@@ -70,9 +70,9 @@ def add_common(p) -> None:
 
 def add_dtype(p) -> None:
     p.add_argument("--dtype", choices=("fp32",) + CPU_TORCH_DTYPES, default="fp32",
-                   help="bf16, int4: the spork and plain arms run the --engines build's checkpoint on the CPU torch "
-                        "engine (engines/cpu/engine.py: bf16 on oneDNN's kernels; int4 on its own 4-bit blocks), "
-                        "not its ONNX target (default: %(default)s)")
+                   help="bf16, int4: the spork and plain arms run the --engines build's checkpoint (or --model) on "
+                        "the CPU torch engine (engines/cpu/engine.py: bf16 on oneDNN's kernels; int4 on the file's "
+                        "own blocks), not its ONNX target or the fp32 reference (default: %(default)s)")
 
 
 def add_rounds(p) -> None:

@@ -21,10 +21,8 @@ from .prompts import git_sha, load_prompts
 def make_runner(arm, a):
     """(backend name, tokenizer, run(prompt ids, cfg) -> (token ids, Stats)) for an arm."""
     if arm.mode != "peer":
-        if a.dtype != "fp32" and not a.engines:
-            raise UserError(f"--dtype {a.dtype} runs a build's checkpoint: pass --engines")
-        rt = (Runtime.from_build(a.engines, a.dtype) if a.engines
-              else Runtime.load(a.model))
+        rt = (Runtime.from_build(a.engines, a.dtype) if a.engines  # --dtype bf16 / int4: the CPU torch engine
+              else Runtime.load(a.model, "cpu", a.dtype) if a.dtype != "fp32" else Runtime.load(a.model))
         return rt.backend, rt.tokenizer, lambda ids, cfg: (lambda r: (r.token_ids, r.stats))(
             rt.generate(ids, cfg, arm.mode, arm.spec))
     from spork_trt.loop.stats import Stats

@@ -1,5 +1,6 @@
-"""spork::int4_mm, the CPU torch engine's own 4-bit matmul (avx512_matmul.cpp): a checkpoint's Q4_0 / Q4_1 blocks
-against bf16 activations with AVX512-BF16 dot products, or AMX-BF16's tile unit where the CPU has it (for every row
+"""spork::int4_mm, the CPU torch engine's own block matmul (avx512_matmul.cpp): a checkpoint's blocks (Q4_0 / Q4_1 /
+Q4_K as 4-bit codes, Q5_0 / Q5_1 / Q5_K / Q8_0 as 8-bit codes; fp16 scales, fp32 for the K-quants) against bf16
+activations with AVX512-BF16 dot products, or AMX-BF16's tile unit where the CPU has it (for every row
 count: a process runs one or the other, `arithmetic()` says which), every row by the same instructions (row-invariant
 by construction), each block's codes expanded once for all rows (for a few rows, into registers as they are used).
 Built with torch's C++ extension loader the first time a process asks (about 20 s on 2 cores, then cached under
