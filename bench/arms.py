@@ -2,7 +2,7 @@
 scheduler's cost-aware pruning and depth changes off; `verifier`: the calibrated verifier scores every step,
 `noverifier`: never; `acceptX`: the acceptance rate tau steers toward), e.g. `spork/self-int8/2x5x10`,
 `spork/ngram/fixed/verifier`; `gate/DRAFT/TAU` (lossy gate mode, e.g. `gate/ngram/0.5`); or a peer:
-`peer/hf-greedy`, `peer/hf-prompt-lookup`, `peer/llama-cpp[-q8_0|-q4_0][-prompt-lookup]`, `peer/ort-genai`
+`peer/hf-greedy`, `peer/hf-prompt-lookup`, `peer/llama-cpp[-q8_0|-q4_0][-prompt-lookup][-repack]`, `peer/ort-genai`
 (bench/peers.py)."""
 from __future__ import annotations
 

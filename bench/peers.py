@@ -3,7 +3,8 @@
 - `hf-greedy`, `hf-prompt-lookup`: transformers `generate` from the same checkpoint (`prompt_lookup_num_tokens=10`);
 - `llama-cpp`, `llama-cpp-prompt-lookup`: llama.cpp through llama-cpp-python on the same GGUF file, in its own
   precision (the default's Q4_1), all cores, its extra buffer types off (no_extra_buffer_types); the second with
-  its prompt lookup drafter (10 tokens); `llama-cpp-q8_0`, `llama-cpp-q4_0` (each also `-prompt-lookup`): the same
+  its prompt lookup drafter (10 tokens); each also `-repack`: its weight repacking on (its fastest CPU path: the
+  extra buffer types); `llama-cpp-q8_0`, `llama-cpp-q4_0` (each also `-prompt-lookup`, `-repack`): the same
   file quantized by llama.cpp itself (`llama_model_quantize`, its standard recipe for that type, requantizing the
   checkpoint's blocks; cached under `ENGINES/peers/`);
 - `ort-genai`: onnxruntime-genai on an fp32 CPU model its builder makes from the same checkpoint (cached under
@@ -88,8 +89,9 @@ def hf_runner(lookup: int, ck: Checkpoint, cache: Path) -> Run:
 LLAMA_TYPES = ("q8_0", "q4_0")  # the precisions llama.cpp is also measured at, beside the checkpoint's own
 
 
-def llama_peer_name(ftype: str, lookup: int) -> str:
-    return "llama-cpp" + (f"-{ftype}" if ftype else "") + ("-prompt-lookup" if lookup else "")
+def llama_peer_name(ftype: str, lookup: int, repack: bool = False) -> str:
+    return ("llama-cpp" + (f"-{ftype}" if ftype else "") + ("-prompt-lookup" if lookup else "")
+            + ("-repack" if repack else ""))
 
 
 def llama_quantized(llama_cpp, src: Path, ftype: str, cache: Path) -> Path:
@@ -111,8 +113,11 @@ def llama_quantized(llama_cpp, src: Path, ftype: str, cache: Path) -> Path:
     return out
 
 
-def llama_runner(ftype: str, lookup: int, ck: Checkpoint, cache: Path) -> Run:
-    peer = llama_peer_name(ftype, lookup)
+def llama_runner(ftype: str, lookup: int, repack: bool, ck: Checkpoint, cache: Path) -> Run:
+    """`repack`: llama.cpp's extra buffer types on (its CPU weight repacking, e.g. Q4_0 / Q4_K into 8x8
+    interleaved blocks, and AMX where the CPU has it): its fastest CPU path, off by default only because it crashed
+    on an AMX host (no_extra_buffer_types)."""
+    peer = llama_peer_name(ftype, lookup, repack)
     if ck.kind != "gguf":
         raise UserError(f"peer/{peer} runs GGUF files: this checkpoint is {ck.path} ({ck.kind})")
     llama_cpp = need("llama_cpp", peer)
@@ -125,7 +130,7 @@ def llama_runner(ftype: str, lookup: int, ck: Checkpoint, cache: Path) -> Run:
         # without it) although a draft model turns logits_all on: a prompt and answer past 512 tokens overflowed it
         draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup), "logits_all": True}
     cores = os.cpu_count() or 1
-    with no_extra_buffer_types(llama_cpp):
+    with no_extra_buffer_types(llama_cpp) if not repack else contextlib.nullcontext():
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=4096, n_threads=cores, n_threads_batch=cores,
                               verbose=False, **draft)
 
@@ -214,7 +219,7 @@ def genai_runner(ck: Checkpoint, cache: Path) -> Run:
 PEERS = {
     "hf-greedy": Peer("transformers", partial(hf_runner, 0)),
     "hf-prompt-lookup": Peer("transformers", partial(hf_runner, LOOKUP)),
-    **{llama_peer_name(t, k): Peer("llama.cpp", partial(llama_runner, t, k))
-       for t in ("", *LLAMA_TYPES) for k in (0, LOOKUP)},
+    **{llama_peer_name(t, k, r): Peer("llama.cpp", partial(llama_runner, t, k, r))
+       for t in ("", *LLAMA_TYPES) for k in (0, LOOKUP) for r in (False, True)},
     "ort-genai": Peer("onnxruntime-genai", genai_runner),
 }

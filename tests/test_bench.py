@@ -66,7 +66,7 @@ def test_llama_cpp_prompt_lookup_answers_past_512_tokens(tmp_path):
     from bench.peers import llama_runner
     from spork_trt.checkpoint.weights import load_checkpoint
 
-    run = llama_runner("", 10, load_checkpoint(), tmp_path)
+    run = llama_runner("", 10, False, load_checkpoint(), tmp_path)
     assert len(run(list(range(1000, 1560)), 64, frozenset())) == 64
 
 
