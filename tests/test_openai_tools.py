@@ -172,3 +172,40 @@ def test_a_model_without_a_tool_format_refuses_tools_naming_the_flag(default_tok
         else:
             assert got == 400 and err["error"]["param"] == "tools", err
             assert "--chat-template generic" in err["error"]["message"]
+
+
+HERMES = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+          "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+          "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+          "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_file_that_reads_tools_writes_them_itself(tmp_path):
+    """`serve --chat-template FILE` with a Hermes-style template (Qwen's way): the model's tool format is the
+    template's, the tools and the assistant's earlier calls reach the prompt as it writes them, and its
+    `<tool_call>` answers read back as calls; a file that fails on one message stops `serve`, not a request."""
+    from spork_trt.checkpoint.tokenizer import load_tokenizer
+    from spork_trt.checkpoint.weights import default_gguf_path
+    from spork_trt.errors import UserError
+    from spork_trt.serving.openai_api.model import ServedModel, tool_format
+
+    tok = load_tokenizer(default_gguf_path(), "gguf")  # its own object: the template is replaced on it
+    path = tmp_path / "hermes.jinja"
+    path.write_text(HERMES)
+    assert tool_format(tok, str(path)) == "template"
+    model = ServedModel("m", tok, 1024, 49152, "template")
+    tools = parse_tools({"tools": [WEATHER], "tool_choice": "auto"})
+    sent = messages([{"role": "user", "content": "Oslo?"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4 C"}], tools_ok=True)
+    text = tok.hf.decode(model.chat_ids(sent, tools))
+    assert text.startswith("<|im_start|>system\nTools: get_weather<|im_end|>") and text.endswith("assistant\n")
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text, text
+    assert read_calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Bergen"}}</tool_call>', tools)
+    path.write_text("{{ raise_exception('broken') }}")
+    with pytest.raises(UserError, match="broken"):
+        tool_format(load_tokenizer(default_gguf_path(), "gguf"), str(path))
+    with pytest.raises(UserError, match="no such file"):
+        tool_format(tok, str(tmp_path / "absent.jinja"))
+    assert tool_format(load_tokenizer(default_gguf_path(), "gguf"), None) == ""  # SmolLM2's own: no tools
