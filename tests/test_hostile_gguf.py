@@ -193,7 +193,8 @@ def test_the_openai_api_answers_a_conversation_its_template_refuses_with_a_400(t
     body = {"model": "m", "messages": [{"role": "user", "content": "\u0101"}, {"role": "user", "content": "b"}]}
     with running(create_app(ServedModel("m", tok, 256, 128), "127.0.0.1:1", 1 << 16)) as port:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         status, err = r.status, json.loads(r.read())
         conn.close()

@@ -124,7 +124,8 @@ def test_tool_turns_are_read_and_written_in_the_generic_format():
     sent = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo and Rome?"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
-                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+                {"id": "c2", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "4 C"}, {"role": "tool", "tool_call_id": "c2",
                                                                         "content": "19 C"}]
     read = messages(sent, tools_ok=True)
