@@ -299,9 +299,14 @@ def inspect(a) -> int:
         size = mf.weights(m, e).get("bytes", 0)
         print(f"  {role:17} {e['path']:24} {e['precision']:12} {e['layers']:3} layers  {size / 1e6:8.1f} MB"
               + (f"  weights: {e['weights']}" if e.get("weights") else ""))
-    from spork_trt.engines.default_target import default_target
+    from spork_trt.engines.default_target import default_target, source_path
 
-    print(f"default target on this host (--dtype auto): {default_target(m).describe()}")
+    target = default_target(m)
+    print(f"default target on this host (--dtype auto): {target.describe()}")
+    if (target.device, target.dtype) == ("cpu", "int4"):
+        from spork_trt.engines.cpu.engine import file_weight_paths
+
+        print(f"  its weights: {file_weight_paths(source_path(m, checked=False))}")
     print("tools: " + ", ".join(f"{k} {v}" for k, v in m["tools"].items()))
     if a.verify:
         print(f"all {len(m['artifacts'])} artifacts match their sha256")

@@ -34,6 +34,9 @@ def test_build_writes_manifest_and_is_idempotent(default_engines):
     shown = run("export", "inspect", str(default_engines), "--verify")
     assert shown.returncode == 0 and "target.onnx" in shown.stdout and "match their sha256" in shown.stdout
     assert "backend: onnx (gqa attention graphs)" in shown.stdout
+    if "int4 on the CPU torch engine" in shown.stdout:  # the default target here: which blocks run how
+        assert "  its weights: Q4_1 layer weights on their own blocks" in shown.stdout, shown.stdout
+        assert "the Q8_0 LM head on its blocks" in shown.stdout or "the LM head in bf16" in shown.stdout
 
 
 def test_onnxruntime_logits_match_the_torch_engine(default_engines, default_checkpoint, default_tokenizer):

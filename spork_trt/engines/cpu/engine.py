@@ -210,6 +210,16 @@ def cpu_target(ck, dtype: str, taps: tuple[int, ...] = ()) -> OneDnnEngine:
     return engine
 
 
+def file_weight_paths(gguf_path) -> str:
+    """weight_paths from the file's tensor table alone (`export inspect`): its LM head (or the embedding it is tied
+    to) runs on its Q8_0 blocks where spork's kernels are built."""
+    from spork_trt.checkpoint.weights import gguf_reader
+
+    kinds = {t.name: t.tensor_type.name for t in gguf_reader(gguf_path).tensors}
+    head = kinds.get("output.weight", kinds.get("token_embd.weight"))
+    return weight_paths(gguf_path, head == "Q8_0" and int4_kernel.kernel() == "spork")
+
+
 def weight_paths(gguf_path, q8_head: bool) -> str:
     """One line for startup: which of the file's layer block types run on their own blocks, which in bf16."""
     from spork_trt.checkpoint.weights import gguf_reader
