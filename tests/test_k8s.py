@@ -59,7 +59,7 @@ def test_manifests_render_and_validate_offline(default_engines, tmp_path):
     assert memory_request(cfg) > sum(p.stat().st_size for p in default_engines.glob("*.onnx*"))
     hpa = by_kind["base"]["HorizontalPodAutoscaler"]["spec"]
     assert [m["pods"]["metric"]["name"] for m in hpa["metrics"]] == [QUEUE_GAUGE, ACTIVE_GAUGE]
-    exported = (ROOT / "triton_repo" / "spork" / "model.py").read_text()
+    exported = (ROOT / "spork_trt" / "serving" / "triton_models" / "spork" / "model.py").read_text()
     assert f'"{QUEUE_GAUGE}"' in exported and f'"{ACTIVE_GAUGE}"' in exported  # the spork model's own gauges
     rules = yaml.safe_load(by_kind["base"]["ConfigMap"]["data"]["config.yaml"])["rules"]
     assert [r["name"]["as"] for r in rules] == [QUEUE_GAUGE, ACTIVE_GAUGE]

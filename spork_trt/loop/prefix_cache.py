@@ -35,7 +35,7 @@ class Taken:
 
 @dataclass
 class PrefixStats:
-    """Counters since start (Prometheus counters, see triton_repo/spork/model.py)."""
+    """Counters since start (Prometheus counters, see spork_trt/serving/triton_models/spork/model.py)."""
 
     hits: int = 0  # requests admitted onto kept rows (or rows copied from a running request)
     reused_tokens: int = 0  # prompt tokens those did not prefill

@@ -1,5 +1,5 @@
 """What the Triton models do, without Triton: validate a request (request_tensors.py), hand it to the engine core that
-steps every request together, stream chunks. `triton_repo/*/model.py` only convert tensors and errors; everything
+steps every request together, stream chunks. `serving/triton_models/*/model.py` only convert tensors and errors; everything
 here is tested directly."""
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def deliver(t: Ticket, fn: Callable, *args) -> None:
 
 @dataclass
 class Metrics:
-    """What the server exports (Prometheus gauges and counters, see triton_repo/spork/model.py)."""
+    """What the server exports (Prometheus gauges and counters, see spork_trt/serving/triton_models/spork/model.py)."""
 
     active: int = 0  # requests holding a slot
     queued: int = 0  # requests waiting for one

@@ -25,7 +25,7 @@ NAME = "spork-trt"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}  # serve --openai-port: 9000 by default
 GIB = 1 << 30
 BASE_MEMORY = 2 * GIB  # tritonserver, its python stubs, the tokenizer: measured RSS of an idle default server ~1.6 GiB
-QUEUE_GAUGE, ACTIVE_GAUGE = "spork_queued_requests", "spork_active_requests"  # triton_repo/spork/model.py
+QUEUE_GAUGE, ACTIVE_GAUGE = "spork_queued_requests", "spork_active_requests"  # spork_trt/serving/triton_models/spork/model.py
 API_KEY_SECRET = ("spork-api-key", "api-key")  # the Secret (name, key) the OpenAI API's key comes from
 SCRATCH = "/scratch"  # an emptyDir: the server log and the python backend's cache (the image may be read-only)
 

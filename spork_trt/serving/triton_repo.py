@@ -1,8 +1,8 @@
 """Render a ready-to-serve Triton model repository from io_spec's tensor table and an engines folder.
 
 Configs are built as Triton's own ModelConfig protobuf (tritonclient ships model_config_pb2) and written in its
-text format, so a rendered config.pbtxt cannot drift from the schema; the model.py adapters are copied from the
-top-level `triton_repo/` folder. Layout: OUT/<python model>/{config.pbtxt,1/model.py} for the steps
+text format, so a rendered config.pbtxt cannot drift from the schema; the model.py adapters are copied from
+`spork_trt/serving/triton_models/` (package data: a pip install renders repositories too). Layout: OUT/<python model>/{config.pbtxt,1/model.py} for the steps
 `preprocessing`, `spork`, `postprocessing` and the unary models `spork_unary` and `ensemble_unary`
 (io_spec.PYTHON_MODELS), and OUT/ensemble/{config.pbtxt,1/} (the streaming entry point).
 """
@@ -20,7 +20,7 @@ from spork_trt.errors import UserError
 
 PROFILES = ("cpu", "gpu", "gpu-onnx")
 MAX_BATCH_SIZE = 8  # requests the server may hand a model at once; each is still answered on its own
-TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
+TEMPLATES = Path(__file__).resolve().with_name("triton_models")  # the python models' sources (package data)
 # gpu: the spork model's target on the device engine (engines/device_engine.py: CUDA graphs, KV pool on the GPU);
 # gpu-onnx: the build's ONNX graphs on ONNX Runtime's TensorRT and CUDA execution providers (both unverified: no GPU)
 DEVICES = ("", "cpu", "cuda")  # "": the build's ONNX Runtime engines; cpu runs the device engine's code eagerly

@@ -1,6 +1,6 @@
 """The Triton python models' step functions, without Triton: preprocessing (text -> the prompt's ids, refused by
 size before any work), postprocessing (ids -> incremental text), and what every model reads from its config
-(parameters, the instance's device, the build's tokenizer). `triton_repo/*/model.py` only convert tensors."""
+(parameters, the instance's device, the build's tokenizer). `serving/triton_models/*/model.py` only convert tensors."""
 from __future__ import annotations
 
 from collections.abc import Mapping
