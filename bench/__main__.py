@@ -43,6 +43,7 @@ EXAMPLES = """examples:
                                                           # n-gram and store replayed on the run's plain answers
   python -m bench replay --run results/run --drafts store --store-fractions 0.25,0.5,1   # smaller stores
   python -m bench gpu --prompts mt_bench --limit 16 --batch 32 --out $OUT   # on a GPU host (bench/gpu_check.sh)
+  python -m bench run --prompts json_extract --response-format json_schema --arms plain spork/ngram   # constrained
   python -m bench report --run results/run --serve results/serve --gate results/gate --readme docs/benchmarks.md
 """
 DEFAULT_ARMS = ["plain", "spork/ngram", "spork/self-int8", "spork/self-int4", "spork/early-exit:8"]
@@ -59,7 +60,7 @@ def token_specs(text: str) -> list[str]:
 
 def add_common(p) -> None:
     p.add_argument("--prompts", default="mt_bench",
-                   help="mt_bench | humaneval | long_docs | rag_mix | PATH.jsonl (comma list for run)")
+                   help="mt_bench | humaneval | long_docs | rag_mix | json_extract | PATH.jsonl (comma list for run)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -73,6 +74,12 @@ def add_dtype(p) -> None:
                    help="bf16, int4: the spork and plain arms run the --engines build's checkpoint (or --model) on "
                         "the CPU torch engine (engines/cpu/engine.py: bf16 on oneDNN's kernels; int4 on the file's "
                         "own blocks), not its ONNX target or the fp32 reference (default: %(default)s)")
+
+
+def add_response_format(p) -> None:
+    p.add_argument("--response-format", default=None, metavar="KIND[:SOURCE]",
+                   help="constrained decoding for plain and spork arms: json, json_schema (each prompt's own schema: "
+                        "--prompts json_extract), json_schema:FILE, regex:RE or ebnf:FILE, as `generate --grammar`")
 
 
 def add_rounds(p) -> None:
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
                         "peer/ort-genai (llama.cpp and onnxruntime-genai: `make bench-peers` installs them)")
     r.add_argument("--out", default="results/run", help="folder for JSONL records and the summary")
     add_dtype(r)
+    add_response_format(r)
     add_rounds(r)
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gt = sub.add_parser("gate", help="lossy gate mode: speedup and agreement with plain as a function of tau",
@@ -190,6 +198,7 @@ def main(argv=None) -> int:
     w.add_argument("--out", required=True)
     w.add_argument("--shard", default="0/1", help="K/R: the prompts whose index is K modulo R (default: all)")
     add_dtype(w)
+    add_response_format(w)
     pl = sub.add_parser("plain", help="plain greedy tokens/s: ours vs transformers, and the bandwidth bound",
                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(pl)

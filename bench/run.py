@@ -53,6 +53,7 @@ def worker_command(a, prompts: str, arm: str, out: Path, shard: str) -> list[str
     cmd += ["--engines", a.engines] if a.engines else []
     cmd += ["--seed", str(a.seed)] if a.seed is not None else []
     cmd += ["--dtype", a.dtype] if a.dtype != "fp32" else []
+    cmd += ["--response-format", a.response_format] if a.response_format else []
     return cmd
 
 
@@ -126,6 +127,10 @@ def summarize(files: list[Path]) -> dict:
             "draft_tokens": drafted, "verifier_offs": sum(r.get("verifier_offs", 0) for r in rows),
             "scored_steps": sum(r.get("scored_steps", 0) for r in rows),
             "gated_tokens": sum(r.get("gated_tokens", 0) for r in rows), **agreement(pairs),
+            "response_format": rows[0].get("response_format", ""),
+            "forced_tokens": sum(r.get("forced_tokens", 0) for r in rows),
+            "grammar_ms_per_token": round(1000 * sum(r.get("grammar_s", 0.0) for r in rows) /
+                                          max(1, sum(r["tokens"] for r in rows)), 4),
             "peak_rss_mb": round(peaks.get((prompts, arm), 0.0), 1),
             "per_category_tokens_per_second": {c: round(t / s, 3) for c, (t, s) in sorted(cats.items())},
             "backend": rows[0]["backend"], "git_sha": rows[0]["git_sha"], "machine": rows[0]["machine"],

@@ -24,7 +24,8 @@ def data_file(*parts: str) -> Path:
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[dict]:
-    """[{"id", "category", "prompt"}] for "mt_bench", "humaneval" or a JSONL path with `turns`."""
+    """[{"id", "category", "prompt"}] for "mt_bench", "humaneval", "long_docs", "rag_mix", "json_extract" (each row
+    also has "schema": the JSON schema its answer must match) or a JSONL path with `turns`."""
     if name == "mt_bench":
         rows = read_jsonl(data_file("mt_bench", "question.jsonl"))
         out = [{"id": r["question_id"], "category": r["category"], "prompt": r["turns"][0]} for r in rows]
@@ -32,6 +33,8 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
         out = long_docs()
     elif name == "rag_mix":
         out = rag_mix(load_prompts("mt_bench"), long_docs())
+    elif name == "json_extract":
+        out = json_extract(load_prompts("humaneval"))
     elif name == "humaneval":
         with gzip.open(data_file("humaneval", "HumanEval.jsonl.gz"), "rt") as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
@@ -46,8 +49,34 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval, long_docs, rag_mix or a JSONL path")
+        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval, long_docs, rag_mix, json_extract or a JSONL path")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+EXTRACT_TASK = ("Read the Python function below and answer with JSON only: its name, its parameter names, what it "
+                "returns (a few words), and each example call in its docstring with the result it shows.\n\n")
+EXTRACT_SCHEMA = {  # a field extraction users run with response_format; its keys and punctuation are forced tokens
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+        "parameters": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
+        "returns": {"type": "string"},
+        "examples": {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "properties": {"call": {"type": "string"}, "result": {"type": "string"}},
+            "required": ["call", "result"], "additionalProperties": False}},
+    },
+    "required": ["name", "parameters", "returns", "examples"],
+    "additionalProperties": False,
+}
+
+
+def json_extract(humaneval: list[dict]) -> list[dict]:
+    """Structured extraction over HumanEval's functions: each prompt asks for the function's name, parameters,
+    return and docstring examples as JSON matching EXTRACT_SCHEMA (`bench run --response-format json_schema`)."""
+    prefix = "Complete the following Python function:\n"
+    schema = json.dumps(EXTRACT_SCHEMA)
+    return [{"id": f"extract-{r['id']}", "category": "json_extract",
+             "prompt": EXTRACT_TASK + r["prompt"][len(prefix):], "schema": schema} for r in humaneval]
 
 
 LONG_CHARS = (3200, 6000)  # a long prompt's document: about 700 to 1,500 tokens of the default model

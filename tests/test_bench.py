@@ -396,3 +396,25 @@ def test_bench_chat_pairs_reuse_on_with_off_and_spork_with_plain_and_counts_diff
     text = table({"git_sha": "abc", "conversations": 2, "max_new_tokens": 8, "slots": 4, "target": "int4 target",
                   "levels": spork_only, "ratios": ratios(spork_only), "mismatches": {"reuse": 1, "mode": 0}})
     assert "spork / plain" not in text and "None" not in text and "served: int4 target" in text
+
+
+def test_bench_run_constrained_arms_are_lossless_and_report_the_grammar_time(default_engines, tmp_path):
+    """`bench run --prompts json_extract --response-format json_schema`: plain and spork both decode under each
+    prompt's schema, spork gives plain's tokens, its jump-forward commits forced tokens, the grammar's time per token
+    is reported; a peer arm is refused with the flag, naming it."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "bench", "run", "--engines", str(default_engines), "--prompts",
+                        "json_extract", "--limit", "2", "--max-new-tokens", "48", "--arms", "plain", "spork/ngram",
+                        "--response-format", "json_schema", "--rounds", "1", "--out", str(out), "--json"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    arms = {a["name"]: a for a in json.loads(r.stdout)["arms"]}
+    assert arms["spork/ngram"]["lossless_mismatches"] == 0 and arms["spork/ngram"]["forced_tokens"] > 0
+    assert all(a["response_format"] == "json_schema" and a["grammar_ms_per_token"] > 0 for a in arms.values())
+    first = json.loads((out / "json_extract__plain.jsonl").read_text().splitlines()[0])
+    assert first["response_format"] == "json_schema" and first["grammar_s"] > 0
+    bad = subprocess.run([sys.executable, "-m", "bench", "worker", "--arm", "peer/hf-greedy", "--engines",
+                          str(default_engines), "--prompts", "json_extract", "--limit", "1", "--response-format",
+                          "json_schema", "--out", str(tmp_path / "p.jsonl")], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "--response-format" in bad.stderr and "Traceback" not in bad.stderr

@@ -54,3 +54,27 @@ def test_a_missing_prompt_file_is_one_line_naming_how_to_get_it(monkeypatch, tmp
     monkeypatch.setattr(prompts, "DATA", tmp_path)
     with pytest.raises(UserError, match=r"prompt data .*question.jsonl is missing: .*git checkout -- spork_trt/data"):
         prompts.load_prompts("mt_bench")
+
+
+def test_the_json_extraction_set_asks_for_humaneval_fields_under_a_schema_the_grammar_engine_takes():
+    import json
+
+    import jsonschema
+
+    from bench.worker import grammars
+    from spork_trt.spec.grammar import GrammarSpec
+    from spork_trt.spec.schema_check import check_schema
+
+    rows, code = load_prompts("json_extract", 5), load_prompts("humaneval", 5)
+    assert [r["category"] for r in rows] == ["json_extract"] * 5 and len({r["id"] for r in rows}) == 5
+    assert all(r["prompt"].endswith(c["prompt"].split("\n", 1)[1]) for r, c in zip(rows, code))
+    schema = json.loads(rows[0]["schema"])
+    check_schema(rows[0]["schema"])  # no keyword the grammar engine would ignore
+    jsonschema.validate({"name": "f", "parameters": ["x"], "returns": "an int",
+                         "examples": [{"call": "f(1)", "result": "2"}]}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "f", "parameters": [], "returns": "", "examples": [], "extra": 1}, schema)
+    assert grammars("json_schema", rows) == [GrammarSpec("json_schema", r["schema"]) for r in rows]
+    assert grammars(None, rows) == [None] * 5 and grammars("json", rows[:1]) == [GrammarSpec("json")]
+    with pytest.raises(UserError, match="json_extract"):
+        grammars("json_schema", load_prompts("mt_bench", 2))  # no schema of its own: one clear line

@@ -48,7 +48,6 @@ from spork_trt.loop.stopping import StopState
 from spork_trt.loop.request import Request, Submission, Verified, emit, wants_hidden
 from spork_trt.spec.tree import DraftTree, compile_tree
 from spork_trt.spec.verifier import Scored, ScoreJob, gate_path, score_batch
-from spork_trt.spec.grammar import constrain
 from spork_trt.spec.logprobs import certain
 from spork_trt.spec.verification import Verdict, verify_greedy, verify_sampling
 
@@ -215,6 +214,7 @@ class EngineCore:
             st, sc = r.stats, r.sched
             st.time_s, st.fallbacks, st.pruned_tokens, st.verifier_offs = now - r.t0, sc.fallbacks, sc.pruned, \
                 sc.verifier.offs
+            st.grammar_s = r.sub.constraint.spent_s if r.sub.constraint is not None else 0.0
             r.finished = True
         return leaving
 
@@ -312,7 +312,7 @@ class EngineCore:
             r.behind += [tree.tokens[i] for i in verdict.path]
         else:
             b, keep, tree = len(r.behind), work.keep, work.tree
-            at = logits[b:] if work.masks is None else constrain(logits[b:], work.masks)  # [N, V]
+            at = logits[b:] if work.masks is None else r.sub.constraint.constrain(logits[b:], work.masks)  # [N, V]
             verdict = verify(tree, work.children, at, r.sub.cfg, r.gen)
             kept_rows = list(range(b)) + [b + i for i in verdict.path]
             r.cache.commit(kept_rows)
@@ -391,7 +391,8 @@ class EngineCore:
         r.prefilled += n
         if r.prefilled < len(r.sub.prompt_ids):
             return
-        last = logits[-1:] if r.sub.constraint is None else constrain(logits[-1:], r.sub.constraint.next_mask())
+        c = r.sub.constraint
+        last = logits[-1:] if c is None else c.constrain(logits[-1:], c.next_mask())
         r.root = pick(last[0], r.sub.cfg.sampling, r.gen)
         if r.sub.constraint is not None:
             r.sub.constraint.advance([r.root])

@@ -22,6 +22,7 @@ class Stats:
     verifier_offs: int = 0  # times the scheduler switched the verifier off because it did not pay
     gated_steps: int = 0  # gate mode (lossy): steps the verifier alone accepted
     gated_tokens: int = 0  # tokens committed without target verification
+    grammar_s: float = 0.0  # time in the grammar engine: masks, tree walks, advancing, masking logits
     forced_tokens: int = 0  # tokens a grammar allowed alone, committed without a verdict (jump-forward; lossless)
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)  # accepted per step -> steps
 

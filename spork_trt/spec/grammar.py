@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from spork_trt.spec.schema_check import check_schema
 from spork_trt.spec.tree import DraftTree
 
 KINDS = ("json", "json_schema", "regex", "ebnf")
+SEPARATORS = (", ", ": ")  # a schema's documents: one layout (json.dumps'), no free whitespace (below)
 SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
 
 
@@ -81,7 +83,8 @@ class Grammars:
                 return self.compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
                 check_schema(spec.source)  # keywords it would ignore: refused by name
-                return self.compiler.compile_json_schema(spec.source, strict_mode=True)
+                return self.compiler.compile_json_schema(spec.source, strict_mode=True, any_whitespace=False,
+                                                         separators=SEPARATORS)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.source)
             return self.compiler.compile_grammar(spec.source)
@@ -97,6 +100,18 @@ class Grammars:
         return Constraint(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
 
 
+def timed(method):
+    """A Constraint method whose time is added to its `spent_s`."""
+    @functools.wraps(method)
+    def run(self, *args):
+        t = time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            self.spent_s += time.perf_counter() - t
+    return run
+
+
 class Constraint:
     """One request's grammar state: advanced by its committed tokens, walked along its draft trees."""
 
@@ -105,10 +120,12 @@ class Constraint:
 
         self.matcher, self.vocab_size = matcher, vocab_size
         self.width = xgr.get_bitmask_shape(1, vocab_size)[1]
+        self.spent_s = 0.0  # time in the grammar engine and masking, over this request (its Stats.grammar_s)
 
     def masks(self, n: int) -> torch.Tensor:
         return torch.full((n, self.width), -1, dtype=torch.int32)  # every bit set: all allowed
 
+    @timed
     def next_mask(self) -> torch.Tensor:
         """[1, W]: what the grammar allows after the committed tokens."""
         out = self.masks(1)
@@ -116,6 +133,7 @@ class Constraint:
             self.matcher.fill_next_token_bitmask(out, 0)
         return out
 
+    @timed
     def tree_masks(self, tree: DraftTree) -> tuple[list[bool], torch.Tensor]:
         """valid [N] (a node and all its ancestors allowed where they stand) and masks [N, W] (each valid node's
         state's mask; an invalid node's row is all ones and never used), by a depth-first walk with rollback: the
@@ -144,6 +162,7 @@ class Constraint:
             stack += [(c, False) for c in reversed(children[node]) if allowed(masks[node], tree.tokens[c])]
         return valid, masks
 
+    @timed
     def forced(self, limit: int, stop_ids: frozenset[int]) -> list[int]:
         """The tokens the grammar allows alone from here, in order (at most `limit`; never a stop token: the end is
         left to the model's own turn): each is the only token a masked distribution can give, so committing it
@@ -160,6 +179,12 @@ class Constraint:
             self.matcher.rollback(len(out))
         return out
 
+    @timed
+    def constrain(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """constrain() below, timed as this request's grammar work."""
+        return constrain(logits, masks)
+
+    @timed
     def advance(self, tokens: list[int]) -> None:
         """The committed tokens, in order (those after the grammar's end are ignored: the stop rule ends there)."""
         for t in tokens:
