@@ -89,7 +89,8 @@ def main(a) -> int:
     rows = load_prompts(a.prompts, a.limit)[k::rounds]
     common = {"git_sha": git_sha(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
               "arm": arm.name, "backend": backend, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens,
-              "temperature": a.temperature, "response_format": a.response_format or "", "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}
+              "temperature": a.temperature, "response_format": a.response_format or "",
+              "spec": vars(arm.spec) if arm.mode in ("spork", "gate") else None}
     ids = [tokenizer.encode_prompt(r["prompt"]) for r in rows]
     specs = grammars(a.response_format, rows)
     run(ids[0], GenerateConfig(max_new_tokens=16, sampling=cfg.sampling), specs[0])  # warm-up (compiles its grammar)

@@ -49,7 +49,8 @@ def load_prompts(name: str, limit: int | None = None) -> list[dict]:
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval, long_docs, rag_mix, json_extract or a JSONL path")
+        raise UserError(f"prompt file {path} not found: use mt_bench, humaneval, long_docs, rag_mix, json_extract or a "
+                        "JSONL path")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -6,9 +6,9 @@ by construction), each block's codes expanded once for all rows (for a few rows,
 Built with torch's C++ extension loader the first time a process asks (about 20 s on 2 cores, then cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); `make setup` builds it; `--prebuild` (main below) builds every
 flavor without loading one, for an image (Dockerfile), and a stamped folder is then loaded without compiling. The
-same library holds spork::attend (avx512_attention.cpp), which the engine's layers use wherever it is built, with its small ops in
-avx512_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the int4 kernels as one op (fused_layers.cpp:
-spork::int4_layers).
+same library holds spork::attend (avx512_attention.cpp), which the engine's layers use wherever it is built, with its
+small ops in avx512_ops.cpp (cpu_forward.fused_layers), and all of a forward's layers on the int4 kernels as one op
+(fused_layers.cpp: spork::int4_layers).
 
 On a CPU without AVX512-BF16 but with AVX2, FMA and F16C the same ops build from avx2_matmul.cpp and avx2_ops.cpp
 (the `avx2` flavor: the same packed layouts, the matmuls on x in 16 bits per block of 32 and integer
