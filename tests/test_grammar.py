@@ -122,3 +122,22 @@ def test_a_grammar_that_does_not_compile_is_one_clear_error(default_runtime, spe
     assert ".cc:" not in str(e.value) and "/project/" not in str(e.value)  # none of the engine's source paths
     with pytest.raises(UserError, match="grammar kind must be one of"):
         GrammarSpec("yaml", "x")
+
+
+def test_the_grammars_forced_text_is_grafted_under_the_root_as_a_draft_chain_of_its_own_source(default_runtime):
+    from spork_trt.spec.grammar import with_chain
+    from spork_trt.spec.tree import DraftTree
+
+    rt = default_runtime
+    c = rt.grammars.constraint(SPEC)
+    c.advance(rt.tokenizer.hf.encode('{"city": "Paris"', add_special_tokens=False))
+    chain = c.chain(16)
+    assert rt.tokenizer.hf.decode(chain) == ', "population":'  # the next key in its layout (the space may merge)
+    tree = DraftTree((7, 11, 12), (-1, 0, 1))  # a drafter's chain under root 7
+    merged = with_chain(tree, c, 16)
+    n = len(chain)
+    assert merged.tokens == (7, 11, 12, *chain) and merged.parents == (-1, 0, 1, 0, *range(3, 3 + n - 1))
+    assert merged.source == (0, 0, 0, *(1,) * n)  # the scheduler keeps the grammar's odds apart
+    assert c.chain(16) == chain  # the grammar state is left as it was
+    c.advance(chain)
+    assert with_chain(merged, c, 0) is merged  # no room: the tree as it was

@@ -48,6 +48,7 @@ from spork_trt.loop.stopping import StopState
 from spork_trt.loop.request import Request, Submission, Verified, emit, wants_hidden
 from spork_trt.spec.tree import DraftTree, compile_tree
 from spork_trt.spec.verifier import Scored, ScoreJob, gate_path, score_batch
+from spork_trt.spec.grammar import with_chain
 from spork_trt.spec.logprobs import certain
 from spork_trt.spec.verification import Verdict, verify_greedy, verify_sampling
 
@@ -277,6 +278,8 @@ class EngineCore:
                          lambda r: self.plan_of(r, speculate[r], trees.get(r), seconds.get(r, 0.0)))
 
     def plan_of(self, r: Request, speculate: bool, tree: DraftTree | None, seconds: float) -> Plan:
+        if tree is not None and r.sub.constraint is not None and not wants_hidden(r):
+            tree = with_chain(tree, r.sub.constraint, MAX_JUMP)  # the grammar's forced text: a free draft
         scoring = speculate and (r.sub.cfg.greedy or r.sub.spec.gate_tau > 0) and r.sched.verifier.use(r.can_score)
         return Plan(tree if speculate else DraftTree.root_only(r.root), speculate, scoring, seconds)
 

@@ -24,7 +24,7 @@ import torch
 
 from spork_trt.errors import UserError
 from spork_trt.spec.schema_check import check_schema
-from spork_trt.spec.tree import DraftTree
+from spork_trt.spec.tree import DraftTree, graft
 
 KINDS = ("json", "json_schema", "regex", "ebnf")
 SEPARATORS = (", ", ": ")  # a schema's documents: one layout (json.dumps'), no free whitespace (below)
@@ -180,6 +180,15 @@ class Constraint:
         return out
 
     @timed
+    def chain(self, limit: int) -> list[int]:
+        """The continuation the grammar forces from here as xgrammar spells it (the longest vocabulary tokens; the
+        model may spell it otherwise), at most `limit` tokens: a free draft for the target to verify (`forced`
+        commits without a verdict only what no other token can give). The grammar state is left as it was."""
+        if self.matcher.is_terminated():
+            return []
+        return list(self.matcher.find_jump_forward_tokens())[:limit]
+
+    @timed
     def constrain(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """constrain() below, timed as this request's grammar work."""
         return constrain(logits, masks)
@@ -192,6 +201,15 @@ class Constraint:
                 return
             if not self.matcher.accept_token(t):
                 raise AssertionError(f"a committed token ({t}) breaks the grammar: masked decoding never picks one")
+
+
+def with_chain(tree: DraftTree, constraint: Constraint, limit: int) -> DraftTree:
+    """A deterministic draft tree with the grammar's forced continuation grafted under its root as a chain (a source
+    of its own, so the scheduler learns its odds apart): keys, punctuation and enum tails a drafter did not guess."""
+    chain = constraint.chain(limit)
+    if not chain or tree.q is not None:
+        return tree
+    return graft(tree, DraftTree((tree.tokens[0], *chain), tuple(range(-1, len(chain)))), len(tree) - 1 + len(chain))
 
 
 def single_bit(mask: torch.Tensor, vocab_size: int) -> int | None:
