@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spork_trt.serving.k8s import PORTS, K8sConfig, deployment
+from spork_trt.serving.k8s import PORTS, RUN_AS_USER, K8sConfig, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +36,8 @@ def values(stage: list, cmd: str) -> list[tuple[str, ...]]:
 def test_two_stages_and_the_last_runs_the_manifests_command_as_their_user_without_a_compiler():
     build, final = stages()
     assert values(build, "from")[0][1:] == ("AS", "build")
-    pod = deployment(K8sConfig())["spec"]["template"]["spec"]["containers"][0]
-    assert values(final, "user")[-1] == (str(pod["securityContext"]["runAsUser"]),)  # non-root, the pod's user
+    command = serve_command(K8sConfig(), "/engines/triton_repo")  # the Deployment's (k8s.deployment), no build read
+    assert values(final, "user")[-1] == (str(RUN_AS_USER),) and RUN_AS_USER != 0  # non-root, the pod's user
     assert not any(tool in " ".join(v[0] for v in values(final, "run")) for tool in ("g++", "gcc", "clang"))
     assert any("sh docker/install.sh" in v[0] for v in values(build, "run"))
     copied = [(c.flags, c.value) for c in final if c.cmd == "COPY"]
@@ -48,8 +48,7 @@ def test_two_stages_and_the_last_runs_the_manifests_command_as_their_user_withou
     assert env["build"]["TORCH_EXTENSIONS_DIR"] == env["final"]["TORCH_EXTENSIONS_DIR"]  # the prebuilt kernels
     assert sorted(int(p) for v in values(final, "expose") for p in v) == sorted(PORTS.values())
     cmd = values(final, "cmd")[-1]
-    assert cmd[:4] == tuple(pod["command"][:4]) and cmd[cmd.index("--repo") + 1] == \
-        pod["command"][pod["command"].index("--repo") + 1]
+    assert cmd[:4] == tuple(command[:4]) and cmd[cmd.index("--repo") + 1] == command[command.index("--repo") + 1]
 
 
 def test_every_path_the_build_stage_copies_is_in_the_checkout_and_in_the_context():

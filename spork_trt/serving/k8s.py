@@ -27,6 +27,7 @@ GIB = 1 << 30
 BASE_MEMORY = 2 * GIB  # tritonserver, its python stubs, the tokenizer: measured RSS of an idle default server ~1.6 GiB
 QUEUE_GAUGE, ACTIVE_GAUGE = "spork_queued_requests", "spork_active_requests"  # spork_trt/serving/triton_models/spork/model.py
 API_KEY_SECRET = ("spork-api-key", "api-key")  # the Secret (name, key) the OpenAI API's key comes from
+RUN_AS_USER = 1000  # the pod's non-root user: the image (Dockerfile) runs as it too
 SCRATCH = "/scratch"  # an emptyDir: the server log and the python backend's cache (the image may be read-only)
 
 
@@ -114,7 +115,7 @@ def deployment(cfg: K8sConfig) -> dict:
         "readinessProbe": probe("/v2/health/ready", 5, 2),  # false at once while draining: no new traffic
         "livenessProbe": probe("/v2/health/live", 10, 3),
         "resources": {"requests": {"memory": f"{-(-memory_request(cfg) // (1 << 20))}Mi", "cpu": "1"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 1000},
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": RUN_AS_USER},
     }
     labels = {"app.kubernetes.io/name": NAME}
     return {
