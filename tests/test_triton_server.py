@@ -576,10 +576,15 @@ def test_ready_waits_for_the_metrics_endpoint(tmp_path):
     servers = [ThreadingHTTPServer(("127.0.0.1", ready), Ok)]
     threading.Thread(target=servers[0].serve_forever, daemon=True).start()
 
+    late_server = ThreadingHTTPServer(("127.0.0.1", metrics), Ok, bind_and_activate=False)
+    late_server.allow_reuse_address = True
+    late_server.server_bind()  # the port held now (refusing connections until it listens): no other process takes it
+
     def late():
         time.sleep(1.0)
-        servers.append(ThreadingHTTPServer(("127.0.0.1", metrics), Ok))
-        servers[-1].serve_forever()
+        late_server.server_activate()
+        servers.append(late_server)
+        late_server.serve_forever()
     threading.Thread(target=late, daemon=True).start()
     s = TritonServer.__new__(TritonServer)
     s.cfg = ServerConfig(tmp_path, http_port=ready, grpc_port=free_port(), metrics_port=metrics, ready_timeout_s=20)
