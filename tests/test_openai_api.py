@@ -77,7 +77,7 @@ def start_serve(args: list[str], where) -> tuple[subprocess.Popen, str, str]:
     proc = subprocess.Popen([sys.executable, "-m", "spork_trt", "serve", *args, "--http-port", str(ports[0]),
                              "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port",
                              str(ports[3])], stderr=err.open("w"), text=True)
-    proc.err, base = err, f"http://127.0.0.1:{ports[3]}"
+    proc.err, proc.grpc_url, base = err, f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[3]}"
     deadline = time.monotonic() + 300
     while "ready:" not in err.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -9,6 +9,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -20,6 +21,7 @@ from spork_trt.serving.openai_api.errors import ApiError, bad_request, too_large
 from spork_trt.serving.openai_api.gate import Gate, GateConfig, tenant
 from spork_trt.serving.openai_api.model import ServedModel
 from spork_trt.serving.openai_api.params import CHAT, COMPLETION, Job, parse_job
+from spork_trt.serving.openai_api.schema import components, operation
 from spork_trt.serving.openai_api.tools import Held, read_calls
 from spork_trt.serving.openai_api.upstream import MODEL, Stream
 
@@ -69,8 +71,8 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
         await state["client"].close()
         parser.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="spork_trt OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(title="spork_trt OpenAI-compatible API", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
     app.add_middleware(Gate, cfg=gate)  # keys, Host, Origin, JSON: before any route reads the body
 
     @app.exception_handler(ApiError)
@@ -101,13 +103,22 @@ def create_app(model: ServedModel, grpc_url: str, max_body_bytes: int, gate: Gat
                            "model_not_found")
         return model_card(model)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=operation(CHAT))
     async def chat(request: Request):
         return await complete(request, CHAT)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=operation(COMPLETION))
     async def completions(request: Request):
         return await complete(request, COMPLETION)
+
+    def openapi() -> dict:  # the routes' and the request models' schemas (schema.py)
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(components())
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     async def complete(request: Request, kind: str):
         raw = await read_body(request, max_body_bytes)

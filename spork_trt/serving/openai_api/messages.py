@@ -8,9 +8,8 @@ import json
 from spork_trt.io_spec import is_utf8
 from spork_trt.serving.openai_api.errors import bad_request
 from spork_trt.serving.openai_api.model import ROLES
+from spork_trt.serving.openai_api.schema import MAX_MESSAGES, MAX_PARTS
 
-MAX_MESSAGES = 4096  # messages in one chat request
-MAX_PARTS = 256  # text parts in one message's content
 MAX_CALLS = 128  # tool calls in one assistant message
 
 

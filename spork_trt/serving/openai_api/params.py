@@ -15,10 +15,10 @@ from spork_trt.io_spec import MAX_GRAMMAR_BYTES, SERVED_MODES, request_config
 from spork_trt.serving.openai_api.errors import ApiError, bad_request
 from spork_trt.serving.openai_api.messages import messages, text_bytes, utf8
 from spork_trt.serving.openai_api.model import ServedModel
+from spork_trt.serving.openai_api.schema import CHAT, COMPLETION, checked
 from spork_trt.serving.openai_api.tools import Tools, parse_tools
 from spork_trt.spec.grammar import GrammarSpec
 
-CHAT, COMPLETION = "chat.completion", "text_completion"
 # accepted only at these values (OpenAI's defaults, or what this server always does); anything else is a 400
 DEFAULT_ONLY: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
@@ -26,16 +26,7 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "function_call": ("none",), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "store": (False,),
 }
-IGNORED = {"user", "metadata", "service_tier"}  # no effect on the answer
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}  # OpenAI -> config
-FIELDS = {CHAT: {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                 "spec_mode", "cache_salt", "response_format", "logprobs", "top_logprobs", "n", "tools",
-                 "tool_choice", *SAMPLING},
-          COMPLETION: {"model", "prompt", "stream", "stream_options", "max_tokens", "stop", "spec_mode", "cache_salt",
-                       "response_format", "logprobs", "n", *SAMPLING}}
-MAX_N = 16  # choices per request (each sampled one is a request of its own)
-MAX_TOP_CHAT, MAX_TOP_COMPLETION = 20, 5  # OpenAI's bounds: top_logprobs (chat), logprobs (completions)
-MAX_SALT = 256  # characters of a cache_salt
 
 
 @dataclass(frozen=True)
@@ -65,20 +56,15 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     """`tenant`: the API key the request was let in with ("" without keys): prefixes are reused within it only."""
     if not isinstance(body, dict):
         raise bad_request(None, "the request body must be a JSON object")
+    checked(body, kind)  # each field's JSON type, the required ones, no unknown one (schema.py)
     for key, value in body.items():
-        if key in IGNORED or (key in DEFAULT_ONLY and value is None):
-            continue
-        if key in DEFAULT_ONLY:
+        if key in DEFAULT_ONLY and value is not None:
             allowed = DEFAULT_ONLY[key]
             if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)):
                 shown = f"{key}={value!r}" if isinstance(value, (bool, int, float, str)) else key
                 raise bad_request(key, f"{shown} is not supported by this server (only {key}="
                                   f"{' or '.join(map(repr, allowed))}, or leave it out)", "unsupported_parameter")
-        elif key not in FIELDS[kind]:
-            raise bad_request(key, f"unrecognized request argument: {key}", "unrecognized_argument")
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise bad_request("model", "model is required: the name /v1/models lists")
+    name = body["model"]
     if name != model.name:
         raise ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model",
                        "model_not_found")
@@ -91,9 +77,9 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     ids = model.chat_ids(texts, tools) if kind == CHAT else model.prompt_ids(texts)
     stream = flag(body, "stream")
     options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
+    if options is not None and not stream:
         raise bad_request("stream_options", "stream_options must be {\"include_usage\": true|false}, with stream")
-    include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
+    include_usage = flag(options or {}, "include_usage")
     size_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     names = {"max_new_tokens": size_name, "stop_strings": "stop", **{v: k for k, v in SAMPLING.items()}}
     asked = body.get(size_name)
@@ -114,8 +100,6 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
     if mode not in SERVED_MODES:
         raise bad_request("spec_mode", f"spec_mode must be one of {', '.join(SERVED_MODES)}, got {mode!r}")
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
-        raise bad_request("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters")
     grammar = response_format(body.get("response_format"), model)
     if tools is not None and tools.grammar is not None:
         if grammar is not None:
@@ -127,27 +111,16 @@ def parse_job(body: Any, kind: str, model: ServedModel, tenant: str = "") -> Job
 
 
 def choices(body: dict) -> int:
-    value = body.get("n", 1)
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_N:
-        raise bad_request("n", f"n must be an integer from 1 to {MAX_N} (this server's most choices), got {value!r}")
-    return value
+    """n: 1 to MAX_N (schema.py)."""
+    return body.get("n") or 1
 
 
 def logprobs(body: dict, kind: str) -> int | None:
     """Alternatives per token, or None: chat's `logprobs` (true|false) and `top_logprobs` (0-20, with logprobs);
     completions' `logprobs` (0-5, the legacy field; null: none)."""
-    def count(key: str, most: int) -> int | None:
-        value = body.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-            raise bad_request(key, f"{key} must be an integer from 0 to {most}, got {value!r}")
-        return value
-    if kind == COMPLETION:
-        return count("logprobs", MAX_TOP_COMPLETION)
-    top = count("top_logprobs", MAX_TOP_CHAT)
+    if kind == COMPLETION:  # the ranges: schema.py (MAX_TOP_COMPLETION, MAX_TOP_CHAT)
+        return body.get("logprobs")
+    top = body.get("top_logprobs")
     if not flag(body, "logprobs"):
         if top:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
@@ -205,13 +178,9 @@ def fits_text(texts: list[dict] | str, model: ServedModel, param: str, tools: To
                           f"the model's context of {model.context} tokens; send less text", "context_length_exceeded")
 
 
-def flag(body: dict, key: str, param: str | None = None):
-    value = body.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad_request(param or key, f"{param or key} must be true or false, got {value!r}")
-    return value
+def flag(body: dict, key: str) -> bool:
+    """A true|false field (its type: schema.py); absent or null: false."""
+    return bool(body.get(key))
 
 
 def stops(value) -> tuple[str, ...] | None:

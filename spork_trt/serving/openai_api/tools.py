@@ -16,9 +16,9 @@ import secrets
 from dataclasses import dataclass
 
 from spork_trt.serving.openai_api.errors import bad_request
+from spork_trt.serving.openai_api.schema import MAX_TOOLS
 from spork_trt.spec.grammar import GrammarSpec
 
-MAX_TOOLS = 128  # functions in one request (OpenAI's limit)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CHOICES = ("none", "auto", "required")
