@@ -32,6 +32,14 @@ def test_a_port_in_use_is_refused_before_starting(tmp_path):
     refuse_ports_in_use(cfg.host, {"--grpc-port": cfg.grpc_port})  # free again
 
 
+@pytest.mark.parametrize("host,needle", [("::1", "IPv6"), ("[::1]", "IPv6"), ("::", "IPv6"),
+                                         ("no-such-host.invalid", "no such IPv4 address")])
+def test_an_address_the_servers_cannot_bind_is_named_not_called_a_port_in_use(host, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        refuse_ports_in_use(host, {"--http-port": free_port()})
+    assert "in use" not in str(e.value)
+
+
 def test_the_previous_log_is_kept(tmp_path):
     log = tmp_path / "logs" / "tritonserver.log"
     keep_previous(log)

@@ -104,7 +104,8 @@ def test_cli_generate_and_client_agree(server, default_engines):
 def test_model_control_and_admin_apis_are_closed(server, local):
     """Nobody who reaches the ports can unload a model (the service would be down) or load one (a python-backend
     model runs code in the server), over HTTP or gRPC; shared-memory registration and log settings need the
-    operator's key. The service keeps answering afterwards."""
+    operator's key, and so do the models' configurations (engine paths) and the statistics (other clients' counts).
+    The service keeps answering afterwards."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -123,8 +124,16 @@ def test_model_control_and_admin_apis_are_closed(server, local):
     assert post("/v2/repository/models/evil/load", payload) >= 400
     assert post("/v2/systemsharedmemory/region/r/register", {"key": "/x", "offset": 0, "byte_size": 8}) >= 400
     assert post("/v2/logging", {"log_verbose_level": 1}) >= 400
+    for path in ("/v2/models/spork/config", "/v2/models/stats", "/v2/models/spork/stats"):
+        try:
+            with urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=10) as r:
+                got = r.status
+        except urllib.error.HTTPError as e:
+            got = e.code
+        assert got >= 400, path
     with grpcclient.InferenceServerClient(server.grpc_url) as g:
-        for call in (lambda: g.unload_model("spork"), lambda: g.load_model("spork")):
+        for call in (lambda: g.unload_model("spork"), lambda: g.load_model("spork"), lambda: g.get_model_config(
+                "spork"), lambda: g.get_inference_statistics("spork")):
             with pytest.raises(InferenceServerException):
                 call()
         assert g.is_model_ready("spork") and g.is_model_ready("ensemble")

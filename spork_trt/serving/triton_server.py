@@ -3,9 +3,11 @@ until ready, log to a file, shut down cleanly.
 
 Closed by default: `--model-control-mode=none` loads exactly the rendered repository at start and refuses every
 load and unload request (over HTTP and gRPC), since a client that may load a python-backend model can run code in
-the server. The administrative APIs (the repository index, shared-memory registration, log and trace settings) are restricted to
-clients that send the operator's key in the `spork-admin-key` header (ServerConfig.admin_key, from SPORK_ADMIN_KEY;
-none set: a random key nobody knows, so they are off).
+the server. The administrative APIs (the repository index, shared-memory registration, log and trace settings)
+and those that tell a client about the build or about other clients (each model's configuration, with its engine
+paths; the statistics, with every client's counts) answer only clients that send the operator's key in the
+`spork-admin-key` header (ServerConfig.admin_key, from SPORK_ADMIN_KEY; none set: a random key nobody knows, so they
+are off).
 
 The binary is the `tritonserver` on PATH if there is one, else the CPU build inside the nvidia-pytriton wheel
 (DESIGN.md section 7): its python backend is copied once into a private folder together with the stub for this
@@ -14,6 +16,7 @@ Python, and the venv's `bin` goes first on PATH so the stub's Python imports spo
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import secrets
 import shutil
@@ -31,8 +34,9 @@ from pathlib import Path
 from spork_trt.errors import UserError
 
 MODELS = ("preprocessing", "spork", "spork_unary", "postprocessing", "ensemble", "ensemble_unary")
-# Triton's restricted-API groups held behind the operator's key (model control is also off: mode none)
-ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+# Triton's restricted-API groups held behind the operator's key (model control is also off: mode none): the
+# repository, shared memory, logs, traces, and what tells one client about the build or about other clients
+ADMIN_APIS = "model-repository,shared-memory,logging,trace,model-config,statistics"
 ADMIN_HEADER = "spork-admin-key"
 GUARD_MARGIN_S = 15.0  # past the drain timeout, before the group is killed
 
@@ -121,9 +125,26 @@ def command(cfg: ServerConfig, binary: Binary) -> list[str]:
     return cmd
 
 
+def refuse_host(host: str) -> None:
+    """An address the servers cannot bind is refused in one line, not reported as a port in use: an IPv6 address
+    (Triton's HTTP server binds IPv4 only: triton-inference-server/server#5305) or a name that does not resolve."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            socket.getaddrinfo(host, None, socket.AF_INET)
+        except socket.gaierror:
+            raise UserError(f"--host {host}: no such IPv4 address or host name") from None
+        return
+    if ip.version == 6:
+        raise UserError(f"--host {host}: Triton's HTTP server cannot listen on an IPv6 address; use 127.0.0.1 "
+                        "(loopback, the default) or 0.0.0.0 (every IPv4 interface)")
+
+
 def refuse_ports_in_use(host: str, ports: dict[str, int]) -> None:
     """A port already answering would make `serve` report ready for somebody else's server: refuse before starting.
     ports: the flag that sets it -> port."""
+    refuse_host(host)
     for flag, port in ports.items():
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no owner
