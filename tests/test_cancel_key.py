@@ -56,6 +56,36 @@ def test_a_full_board_refuses_more_cancels_until_keys_leave(tmp_path):
     assert board.posted(c)
 
 
+def test_made_up_keys_cannot_keep_a_running_request_from_being_cancelled(tmp_path):
+    """A flood of cancels for keys no request carries fills only their own share of the board: the cancel of a
+    running request is still taken, and taking that request off clears its marks."""
+    from spork_trt.errors import QueueFull
+
+    board, serving = CancelBoard(tmp_path, max_keys=2), CancelBoard(tmp_path, max_keys=2)  # two instances
+    mine = new_key()
+    serving.serving(mine)
+    board.post(new_key())
+    board.post(new_key())
+    with pytest.raises(QueueFull):
+        board.post(new_key())  # a third made-up key
+    board.post(mine)  # full of made-up keys, yet the running request's cancel is taken
+    assert serving.posted(mine) and board.running(mine)
+    serving.clear(mine)
+    assert not board.posted(mine) and not board.running(mine)
+    with pytest.raises(QueueFull):
+        board.post(mine)  # no longer running: it waits with the made-up keys, and there is no room
+
+
+def test_running_marks_of_a_dead_instance_are_swept(tmp_path):
+    board = CancelBoard(tmp_path, max_run_s=3600)
+    key = new_key()
+    board.serving(key)
+    old = time.time() - 3601
+    os.utime(tmp_path / "run" / key, (old, old))
+    board.sweep()
+    assert not board.running(key)
+
+
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 32, "0" * 31, "0" * 33, "g" * 32, ""])
 def test_the_board_takes_keys_only(tmp_path, bad):
     with pytest.raises(ValueError):
@@ -95,6 +125,7 @@ def test_a_cancel_ends_the_request_carrying_its_key_and_the_key_is_forgotten(ser
     def send(chunk):
         chunks.append(chunk)
         if len(chunks) == 2:  # what spork does with spork_unary's cancel: maybe on another instance (one board)
+            assert service.board.running(key)  # marked running: its cancel is taken however full the board is
             assert service.control({"input_ids": None, "cancel_key": key_input(key)})
 
     assert service.control({"cancel_key": key_input(stranger)})  # no request carries it: nothing happens
@@ -102,6 +133,6 @@ def test_a_cancel_ends_the_request_carrying_its_key_and_the_key_is_forgotten(ser
               "stream": np.array([[True]]), "cancel_key": key_input(key)}
     assert not service.run(inputs, send)  # cancelled: closed, nothing more sent
     assert len(chunks) == 2 and not chunks[-1].final and service.active == 0
-    assert not service.board.posted(key)  # the request ended: its key with it
+    assert not service.board.posted(key) and not service.board.running(key)  # the request ended: its key with it
     assert service.board.posted(stranger)  # a cancel nobody took: swept once old
     assert not service.control({"input_ids": np.array([prompt], np.int32), "cancel_key": key_input(key)})  # a request

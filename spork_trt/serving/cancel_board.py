@@ -1,10 +1,15 @@
 """Cancels that reach whichever `spork` instance serves a request. A unary model (spork_unary, ensemble_unary)
 cannot cancel the BLS request it sent (Triton 2.51), so it sends each request a random key (io_spec.CANCEL_KEY;
-triton_unary.py) and, when its client cancels, a second request carrying that key alone; Triton hands that one to any instance, so the key is posted on a board every
-instance of the machine reads (one empty file per key in a private folder), and the instance serving the request
-sees it at its next step. The serving instance takes its key off when the request ends; a post also sweeps keys
-older than `max_age_s` (cancels of requests already gone, or never here), and a board holding `max_keys` refuses
-more (QueueFull: UNAVAILABLE, retry later), so a flood of cancels cannot fill the disk with names."""
+triton_unary.py) and, when its client cancels, a second request carrying that key alone; Triton hands that one to
+any instance, so the key is posted on a board every instance of the machine reads (one empty file per key in a
+private folder), and the instance serving the request sees it at its next step.
+
+The serving instance marks its request's key as running (`serving`, a file under run/) and takes both off when the
+request ends. A cancel of a running request is always taken (their number is bounded by the requests served). A
+cancel of a key no request runs yet (it overtook its request in Triton's queue, or it is a guess) waits on the
+board until its request starts or `max_age_s` passes; at most `max_keys` of those wait (beyond: QueueFull,
+UNAVAILABLE, retry later), so a flood of made-up keys can neither fill the disk with names nor keep a client from
+cancelling its running request."""
 from __future__ import annotations
 
 import os
@@ -19,6 +24,11 @@ from spork_trt.errors import QueueFull
 from spork_trt.io_spec import CANCEL_KEY_HEX
 
 KEY = re.compile(f"[0-9a-f]{{{CANCEL_KEY_HEX}}}")
+RUN = "run"  # the board's sub-folder of running requests' keys
+
+
+def touch(path: Path) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
 
 
 def new_key() -> str:
@@ -29,7 +39,8 @@ def new_key() -> str:
 class CancelBoard:
     root: Path  # shared by the instances of one machine; keys are random, so servers may share it too
     max_age_s: float = 60.0  # a posted key nobody took off is swept after this
-    max_keys: int = 4096  # posted and not yet taken off or swept; beyond: refused
+    max_keys: int = 4096  # posted for no running request, not yet taken off or swept; beyond: refused
+    max_run_s: float = 86400.0  # a running mark older than this is an instance that died: swept
 
     @classmethod
     def default(cls) -> CancelBoard:
@@ -38,13 +49,25 @@ class CancelBoard:
 
     def post(self, key: str) -> None:
         """Cancel the request carrying `key`, wherever it is served."""
+        self.own()
+        if not self.running(key) and self.sweep() >= self.max_keys:
+            raise QueueFull(f"{self.max_keys} cancels wait for requests not running: retry later")
+        touch(self.path(key))
+
+    def serving(self, key: str) -> None:
+        """The request carrying `key` runs here: a cancel of it is always taken."""
+        self.own()
+        (self.root / RUN).mkdir(mode=0o700, exist_ok=True)
+        touch(self.root / RUN / self.path(key).name)
+
+    def running(self, key: str) -> bool:
+        return (self.root / RUN / self.path(key).name).exists()
+
+    def own(self) -> None:
+        """The board's folder, made private to this user; someone else's folder is never trusted."""
         self.root.mkdir(mode=0o700, exist_ok=True)
-        if self.root.stat().st_uid != os.getuid():  # someone else's folder: never trust what it holds
+        if self.root.stat().st_uid != os.getuid():
             raise PermissionError(f"{self.root} belongs to another user")
-        if self.sweep() >= self.max_keys:
-            raise QueueFull(f"{self.max_keys} cancels are pending: retry later")
-        fd = os.open(self.path(key), os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
 
     def posted(self, key: str) -> bool:
         try:
@@ -55,15 +78,21 @@ class CancelBoard:
     def clear(self, key: str) -> None:
         """The request carrying `key` ended: forget its key."""
         self.path(key).unlink(missing_ok=True)
+        (self.root / RUN / self.path(key).name).unlink(missing_ok=True)
 
     def sweep(self) -> int:
-        """Drop keys older than max_age_s; the number left."""
-        cutoff, left = time.time() - self.max_age_s, 0
-        for p in self.root.iterdir():
+        """Drop posted keys older than max_age_s and running marks older than max_run_s; the number of posted keys
+        left that no request runs."""
+        now, left = time.time(), 0
+        run = self.root / RUN
+        for p in [*self.root.iterdir(), *(run.iterdir() if run.is_dir() else ())]:
             try:
-                if p.stat(follow_symlinks=False).st_mtime < cutoff:
+                if p == run:
+                    continue
+                age = now - p.stat(follow_symlinks=False).st_mtime
+                if age > (self.max_run_s if p.parent == run else self.max_age_s):
                     p.unlink()
-                else:
+                elif p.parent != run and not (run / p.name).exists():
                     left += 1
             except FileNotFoundError:  # another instance swept it first
                 pass

@@ -335,6 +335,11 @@ class Service:
             deliver(t, t.fail, public_error(e, t.sub.id))
             return
         self._tickets[t.request] = t
+        if t.key is not None:
+            try:
+                self.board.serving(t.key)  # a cancel of it is taken however many made-up keys wait (cancel_board.py)
+            except OSError as e:  # its cancel is then taken while the board has room, as before
+                log.warning("spork: request %s: marking its cancel key running failed (%r)", t.sub.id, e)
 
     def _end(self, req: Request) -> None:
         """`req` is answered (or failed): its ticket leaves, its key with it."""
