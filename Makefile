@@ -57,6 +57,7 @@ FAST_TESTS = tests/test_atomic.py tests/test_verify.py tests/test_sampling.py te
   tests/test_triton_repo.py tests/test_k8s.py tests/test_prompts.py tests/test_gguf_blocks.py tests/test_isolation.py \
   tests/test_draft_switch.py tests/test_repetition.py tests/test_core.py tests/test_prefix_cache.py \
   tests/test_cancel_key.py tests/test_edge.py tests/test_hostile_gguf.py tests/test_openai_tools.py tests/test_image.py \
+  tests/test_watchdog.py \
   tests/test_docs.py
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" --durations=5 $(FAST_TESTS)

@@ -8,6 +8,7 @@ import sys
 from spork_trt.config import CPU_TORCH_DTYPES, GenerateConfig
 from spork_trt.errors import UserError
 from spork_trt.serving.openai_api.server import FrontConfig
+from spork_trt.serving.watchdog import DEFAULT_BOUND_S
 
 SERVE_EXAMPLES = """examples:
   python -m spork_trt serve                                   # engines/default/triton_repo on 127.0.0.1:8000/8001
@@ -21,8 +22,9 @@ SERVE_EXAMPLES = """examples:
   python -m spork_trt serve --replicas 2                      # two servers behind haproxy on 8000/8001
 
 SIGTERM (or Ctrl-C) drains: readiness turns false at once, new requests are refused, in-flight ones finish within
---drain-timeout; the exit code is 0 when everything finished, 1 otherwise. A second Ctrl-C stops at once. Nothing
-of the server outlives this command, however it ends (SIGHUP, SIGKILL included).
+--drain-timeout; the exit code is 0 when everything finished, 1 otherwise. A second Ctrl-C stops at once. An engine
+loop that stops serving for --stall-timeout seconds stops the server: exit code 3. Nothing of the server outlives
+this command, however it ends (SIGHUP, SIGKILL included).
 """
 CLIENT_EXAMPLES = """examples:
   python -m spork_trt client "What is speculative decoding?" --stream          # gRPC streaming
@@ -48,7 +50,7 @@ def add_serving_commands(sub) -> None:
     s.add_argument("--engines", default=str(RepoConfig.engines), help="engines folder (default: %(default)s)")
     s.add_argument("--verify", action="store_true", help="check every artifact's sha256 against the build's manifest "
                    "before starting (sizes are always checked, here and by each model instance)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    s.add_argument("--host", default="127.0.0.1", help="IPv4 address to bind (default: %(default)s, loopback only)")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -77,6 +79,10 @@ def add_serving_commands(sub) -> None:
                    "one is kept as LOG.1)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish (default: %(default)s)")
+    s.add_argument("--stall-timeout", type=float, default=DEFAULT_BOUND_S, metavar="S",
+                   help="an engine loop that stops serving for S seconds (a step that does not end, a dead loop, a "
+                   "stopped process) stops the server with exit code 3, for its supervisor to replace "
+                   "(default: %(default)s; 0: no watchdog)")
     s.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="N servers (each its own engine core) on loopback ports behind haproxy, which alone holds "
                    "--http-port/--grpc-port and health-checks each one's readiness (default: %(default)s: one "
@@ -133,15 +139,17 @@ def served_target(repo) -> str:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+    import shutil
     import signal
-    import time
+    import tempfile
     from pathlib import Path
 
-    from spork_trt.serving.openai_api.gate import KEY_ENV, gate_config, is_loopback
-    from spork_trt.serving.openai_api.server import OpenAIServer, refuse_port_in_use
-    from spork_trt.serving.replicas import ReplicaSet
-    from spork_trt.serving.triton_server import ServerConfig, TritonServer
-    from spork_trt.serving.triton_repo import RepoConfig, ensure_rendered, is_rendered
+    from spork_trt.serving.openai_api.gate import KEY_ENV, gate_config
+    from spork_trt.serving.openai_api.server import refuse_port_in_use
+    from spork_trt.serving.triton_server import ServerConfig
+    from spork_trt.serving.triton_repo import RepoConfig, ensure_rendered
+    from spork_trt.serving.watchdog import Watch
 
     if a.verify and a.repo:
         raise UserError("--verify checks the build of --engines before rendering its repository: drop --repo (or "
@@ -150,6 +158,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be positive, got {a.max_body_bytes}")
     if a.drain_timeout <= 0:
         raise UserError(f"--drain-timeout must be positive, got {a.drain_timeout}")
+    if a.stall_timeout < 0:
+        raise UserError(f"--stall-timeout must be positive, or 0 for no watchdog; got {a.stall_timeout}")
     if not 0 <= a.openai_port < 65536:
         raise UserError(f"--openai-port must be a port number, or 0 for no OpenAI API; got {a.openai_port}")
     if a.chat_template not in (None, "generic") and not Path(a.chat_template).is_file():
@@ -168,6 +178,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, interrupt)
     # and SIGINT stops it even when started in the background of a script (which starts it with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupt)
+    watch = Watch(Path(tempfile.mkdtemp(prefix="spork_trt-beats-")), a.stall_timeout) if a.stall_timeout else None
+    os.environ.update(watch.env() if watch else {})  # tritonserver's stubs beat there (watchdog.py)
+    try:
+        return start_and_serve(a, cfg, repo, gate, watch)
+    finally:
+        if watch is not None:
+            shutil.rmtree(watch.folder, ignore_errors=True)  # this command's own temporary folder
+
+
+def start_and_serve(a: argparse.Namespace, cfg, repo, gate, watch) -> int:
+    """Start Triton (or replicas) and the OpenAI API, say where they listen, serve until stopped."""
+    from spork_trt.serving.openai_api.gate import KEY_ENV, is_loopback
+    from spork_trt.serving.openai_api.server import OpenAIServer
+    from spork_trt.serving.replicas import ReplicaSet
+    from spork_trt.serving.triton_server import TritonServer
+    from spork_trt.serving.triton_repo import is_rendered
+
     served = served_target(repo) if is_rendered(repo) else "not a rendered repository"
     server = ReplicaSet(cfg, a.replicas) if a.replicas != 1 else TritonServer(cfg)
     what = f"{a.replicas} tritonservers behind haproxy" if a.replicas != 1 else "tritonserver"
@@ -190,9 +217,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
         f"r{i}: HTTP {s.http_url}, metrics 127.0.0.1:{s.cfg.metrics_port}" for i, s in enumerate(server.servers)) + ")")
     print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {metrics}{openai}  "
           "(models: ensemble, ensemble_unary); Ctrl-C stops", file=sys.stderr, flush=True)
+    return until_stopped(a, server, front, watch, cfg.log, what)
+
+
+def until_stopped(a: argparse.Namespace, server, front, watch, log, what: str) -> int:
+    """Serve until Ctrl-C/SIGTERM (a drain: 0 when every request finished, else 1), an engine loop that stops
+    beating (watchdog.py: 3), or tritonserver's exit (an error)."""
+    from spork_trt.serving.watchdog import wait_serving
+
     try:
-        while server.alive():
-            time.sleep(0.5)
+        dead = wait_serving(server.alive, watch)
     except KeyboardInterrupt:
         front.stop()  # first: no new OpenAI requests, its in-flight answers finish while Triton still serves
         print(f"draining: in-flight requests get {a.drain_timeout:g}s to finish (Ctrl-C again stops at once) ...",
@@ -200,13 +234,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
         code = server.stop()
         if code != 0:
             print(f"error: tritonserver did not stop cleanly (exit code {code}): requests may have been cut; see "
-                  f"{cfg.log}", file=sys.stderr, flush=True)
+                  f"{log}", file=sys.stderr, flush=True)
             return 1
         print("stopped: every request finished", file=sys.stderr, flush=True)
         return 0
     front.stop()
+    if dead:
+        print(f"error: the engine loop of spork instance(s) {', '.join(dead)} stopped serving (no heartbeat for "
+              f"{a.stall_timeout:g}s: a step that does not end, a dead loop or a stopped process; see {log}): "
+              "stopping the server so that it is replaced", file=sys.stderr, flush=True)
+        server.stop(timeout_s=a.drain_timeout)
+        return 3
     code = server.stop()
-    raise UserError(f"{what} exited (code {code}); see the logs beside {cfg.log}")
+    raise UserError(f"{what} exited (code {code}); see the logs beside {log}")
 
 
 def client_config(a: argparse.Namespace, **over):

@@ -178,6 +178,7 @@ class Service:
         self._wake = threading.Condition()
         self._stopping = False
         self._down: str | None = None  # why the loop stopped (None while it runs); set under _wake
+        self._step_since: float | None = None  # when the running iteration began (monotonic); None between them
         self._thread = threading.Thread(target=self._loop, name="spork-core", daemon=True)
         self._thread.start()
 
@@ -203,6 +204,20 @@ class Service:
         is refused UNAVAILABLE at once."""
         with self._wake:
             return self._down is None
+
+    def stalled(self, bound_s: float) -> str | None:
+        """Why the loop no longer serves, if it does not: it stopped, or one iteration has run past `bound_s`
+        (watchdog.py). A stalled loop is marked down: new requests are refused at once, waiting ones answered."""
+        with self._wake:
+            if self._down is not None:
+                return self._down
+            since = self._step_since
+        if not self._thread.is_alive():
+            return LOOP_STOPPED
+        if since is not None and time.monotonic() - since > bound_s:
+            self._stop(f"an engine step has run for over {bound_s:g}s (stalled): retry on another instance")
+            return self._down
+        return None
 
     @property
     def active(self) -> int:
@@ -279,20 +294,25 @@ class Service:
                     if self._stopping:
                         return
                     joining, self._inbox = self._inbox, []
+                self._step_since = time.monotonic()  # the watchdog's clock (stalled)
                 try:
                     self._iterate(joining)
                 except Exception as e:  # noqa: BLE001 - outside any one request's work: its step's requests fail
                     log.error("spork: an engine step failed; its requests fail, the waiting ones stay", exc_info=e)
                     self._answer(self.core.abort(e), 0.0)
+                self._step_since = None
         except BaseException as e:  # the loop is gone: say so, refuse everything from now on
             log.critical("spork: the engine loop stopped", exc_info=e)
         finally:
             self._stop()
 
-    def _stop(self) -> None:
-        """The loop's end: unhealthy from now on; every request not answered yet is answered UNAVAILABLE."""
+    def _stop(self, why: str | None = None) -> None:
+        """The loop's end (or its stall: `why`): unhealthy from now on; every request not answered yet is answered
+        UNAVAILABLE."""
         with self._wake:
-            self._down = SHUTTING_DOWN if self._stopping else LOOP_STOPPED
+            if self._down is not None and why is not None:  # already down
+                return
+            self._down = why or (SHUTTING_DOWN if self._stopping else LOOP_STOPPED)
             self.metrics.loop_up = 0
             pending, self._inbox, self._tickets = [*self._inbox, *self._tickets.values()], [], {}
         for t in pending:

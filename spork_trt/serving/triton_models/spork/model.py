@@ -4,7 +4,8 @@ client went away or cancelled the stream, or spork_unary sent a cancel carrying 
 is free at the next step; a cancel is answered with an empty final response). With every slot taken, requests queue
 up to max_queue; beyond that they are answered UNAVAILABLE. A request that fails fails alone, answered with its id
 only (the detail in the log). If the engine loop stops, every request is answered UNAVAILABLE at once and the gauge
-spork_engine_loop_up turns 0 (a python model cannot turn its own readiness off). Custom Prometheus metrics on the
+spork_engine_loop_up turns 0 (a python model cannot turn its own readiness off: under `serve`, the instance stops
+beating and `serve` replaces the server, watchdog.py). Custom Prometheus metrics on the
 metrics port. A thin adapter: the logic is spork_trt.serving.engine_service (tested without Triton)."""
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from spork_trt.loop.engine_core import CoreConfig
 from spork_trt.errors import QueueFull, UserError
 from spork_trt.serving.engine_service import Service, public_error
 from spork_trt.serving.triton_steps import instance_device, model_parameters
+from spork_trt.serving.watchdog import Heartbeat, Watch
 
 STEP = io_spec.model_step("spork")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -71,6 +73,8 @@ class TritonPythonModel:
             labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
             self.metrics[name] = (family.Metric(labels=labels), field, kind)
         self.published = {}
+        watch = Watch.from_env()  # `serve`'s watchdog: beat while the loop serves (watchdog.py)
+        self.beat = Heartbeat(self.service, watch) if watch else None
         self.stop = threading.Event()
         self.publisher = threading.Thread(target=self.publish, name="spork-metrics", daemon=True)
         self.publisher.start()
@@ -104,12 +108,17 @@ class TritonPythonModel:
         return {name: None if t is None else t.as_numpy() for name, t in tensors.items()}
 
     def publish(self):
-        """Copy the service's metrics into the Prometheus families twice a second."""
+        """Copy the service's metrics into the Prometheus families twice a second, and beat while serving."""
         while not self.stop.wait(0.5):
             try:
                 self.copy_metrics()
             except Exception as e:  # a metric that cannot be set must not stop the others, nor serving
                 pb_utils.Logger.log_error(f"spork: metrics: {e!r}")
+            try:
+                if self.beat is not None:
+                    self.beat.tick()
+            except OSError as e:  # the beat is late: `serve` replaces the server if this lasts
+                pb_utils.Logger.log_error(f"spork: heartbeat: {e!r}")
 
     def copy_metrics(self):
         m = self.service.metrics
@@ -125,4 +134,6 @@ class TritonPythonModel:
     def finalize(self):
         self.stop.set()
         self.publisher.join()
+        if self.beat is not None:
+            self.beat.stop()
         self.service.close()
