@@ -115,7 +115,10 @@ CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$re
                                          (GrammarSpec("json_schema", json.dumps(
                                              {"type": "object", "properties": {"not": {"type": "array", "items": {
                                                  "type": "integer"}, "uniqueItems": True}}})),
-                                          "keyword 'uniqueItems' \\(at #/properties/not\\) is not supported")])
+                                          "keyword 'uniqueItems' \\(at #/properties/not\\) is not supported"),
+                                         (GrammarSpec("json_schema", json.dumps({"type": "string", "pattern": "^[a-z]+$",
+                                                                                 "maxLength": 3})),
+                                          "keyword 'maxLength' beside 'pattern' \\(at #\\) is not supported")])
 def test_a_grammar_that_does_not_compile_is_one_clear_error(default_runtime, spec, needle):
     with pytest.raises(UserError, match=needle) as e:
         default_runtime.request([1, 2, 3], GenerateConfig(max_new_tokens=4), grammar=spec)

@@ -31,6 +31,11 @@ def check_schema(source: str) -> None:
             if key in node:
                 raise UserError(f"the json_schema keyword {key!r} (at {where}) is not supported: the grammar engine "
                                 "cannot enforce it; remove it or express it with supported keywords")
+        length = next((k for k in ("minLength", "maxLength") if k in node), None)
+        if "pattern" in node and length:  # xgrammar 0.2.9 warns and drops the length
+            raise UserError(f"the json_schema keyword {length!r} beside 'pattern' (at {where}) is not supported: "
+                            "the grammar engine ignores a length next to a pattern; bound the pattern instead "
+                            "(e.g. ^[a-z]{1,8}$)")
         stack += [(node[k], f"{where}/{k}") for k in ONE if k in node]
         stack += [(s, f"{where}/{k}/{i}") for k in MANY if isinstance(node.get(k), list) for i, s in enumerate(node[k])]
         stack += [(s, f"{where}/{k}/{n}") for k in NAMED if isinstance(node.get(k), dict) for n, s in node[k].items()]
