@@ -343,6 +343,27 @@ UNARY_MODELS = ("spork_unary", "ensemble_unary")  # call `spork` once per reques
 PYTHON_MODELS = (*(s.name for s in TRITON_STEPS), *UNARY_MODELS)  # each a triton_repo/<name>/model.py adapter
 
 
+ENSEMBLE_STEP = TritonStep(ENSEMBLE, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS)  # what clients send to either entry point
+NUMPY = {"STRING": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
+
+
+def request_arrays(step: TritonStep, values: Mapping[str, object]) -> dict[str, tuple[np.ndarray, str]]:
+    """What a client sends to `step`: input name -> (its array with the batch dim, tritonclient's dtype name), each
+    typed and shaped by the step's own table; `values`: name -> a value (a sequence for a [1, n] tensor; text as
+    str), None: not sent."""
+    specs = {t.name: t for t in step.inputs}
+    out = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        t = specs[name]
+        items = list(value) if t.dims == (-1,) else [value]  # [1, n] or [1, 1]
+        if t.dtype == "STRING":
+            items = [v.encode("utf-8") for v in items]
+        out[name] = (np.array([items], NUMPY[t.dtype]), "BYTES" if t.dtype == "STRING" else t.dtype)
+    return out
+
+
 def model_step(model: str) -> TritonStep:
     """The tensors a python model of the repository takes and gives: its step's. spork_unary's are the spork step's,
     answered once, without cancel_key (it makes its own key per request: a client cannot send one), with input_ids

@@ -154,6 +154,33 @@ def test_a_chunk_carries_the_logprobs_of_its_new_tokens():
                                                                                                   [-0.25, -2.0]]]
 
 
+def test_clients_build_their_tensors_from_the_steps_tables_and_the_service_reads_them_back():
+    """The `client` command's ensemble tensors and the OpenAI API's spork tensors come from io_spec's tables (dtype,
+    [1, 1] or [1, n]); what the OpenAI API sends is what the spork step parses back."""
+    from spork_trt.config import SamplingConfig
+    from spork_trt.serving.openai_api.params import Job
+    from spork_trt.serving.openai_api.upstream import SPORK_STEP, inputs
+    from spork_trt.serving.triton_client import ClientConfig, request_values
+
+    sent = request_values("héllo", ClientConfig(stop_words=("a", "b"), seed=3, deadline_s=5.0, spec_mode="plain"))
+    table = {t.name: t for t in io_spec.ENSEMBLE_INPUTS}
+    for name, (arr, dtype) in sent.items():
+        t = table[name]
+        assert dtype == ("BYTES" if t.dtype == "STRING" else t.dtype) and arr.dtype == io_spec.NUMPY[t.dtype]
+        assert arr.shape == ((1, 2) if name == "stop_words" else (1, 1)), name
+    assert sent["text_input"][0][0, 0].decode() == "héllo" and "top_p" not in sent  # None: not sent
+    job = Job("chat.completion", (5, 6, 7), GenerateConfig(10, SamplingConfig(temperature=0.5, seed=9), ("x",)),
+              True, False, logprobs=2, cache_scope="ab")
+    tensors = {t.name(): (t.shape(), t.datatype()) for t in inputs(job)}
+    assert tensors["input_ids"] == ([1, 3], "INT32") and tensors["seed"] == ([1, 1], "UINT64")
+    assert set(tensors) <= {t.name for t in SPORK_STEP.inputs}
+    arrays = io_spec.request_arrays(SPORK_STEP, {"input_ids": job.prompt_ids, "max_tokens": 10, "temperature": 0.5,
+                                                 "seed": 9, "stop_words": ("x",), "logprobs": 2})
+    req = parse_request({k: a for k, (a, _) in arrays.items()}, LIMITS)
+    assert req.prompt_ids == [5, 6, 7] and req.cfg.max_new_tokens == 10 and req.cfg.sampling.seed == 9
+    assert req.cfg.stop_strings == ("x",) and req.logprobs == 2
+
+
 def test_defaults_and_limits():
     req = parse_request({"input_ids": IDS}, LIMITS)
     assert req.mode == "spork" and not req.stream and req.cfg.sampling.greedy and req.prompt_ids == [5, 6, 7, 8]

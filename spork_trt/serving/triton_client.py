@@ -22,6 +22,7 @@ import numpy as np
 
 from spork_trt.config import GenerateConfig
 from spork_trt.errors import Unanswered, UserError, retryable
+from spork_trt.io_spec import ENSEMBLE_STEP, request_arrays
 
 PROTOCOLS = ("http", "grpc", "generate")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "generate": 8000}
@@ -76,23 +77,10 @@ def request_values(prompt: str, cfg: ClientConfig) -> dict[str, tuple[np.ndarray
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {cfg.protocol!r}")
     if cfg.stream and cfg.protocol == "http":
         raise UserError("HTTP infer cannot stream: use --protocol grpc or --protocol generate with --stream")
-    v = {"text_input": (np.array([[prompt.encode("utf-8")]], np.object_), "BYTES"),
-         "max_tokens": (np.array([[cfg.max_tokens]], np.int32), "INT32"),
-         "temperature": (np.array([[cfg.temperature]], np.float32), "FP32"),
-         "stream": (np.array([[cfg.stream]], np.bool_), "BOOL")}
-    if cfg.top_p is not None:
-        v["top_p"] = (np.array([[cfg.top_p]], np.float32), "FP32")
-    if cfg.top_k is not None:
-        v["top_k"] = (np.array([[cfg.top_k]], np.int32), "INT32")
-    if cfg.seed is not None:
-        v["seed"] = (np.array([[cfg.seed]], np.uint64), "UINT64")
-    if cfg.stop_words:
-        v["stop_words"] = (np.array([[s.encode("utf-8") for s in cfg.stop_words]], np.object_), "BYTES")  # [1, n]
-    if cfg.deadline_s is not None:
-        v["timeout_s"] = (np.array([[cfg.deadline_s]], np.float32), "FP32")
-    if cfg.spec_mode is not None:
-        v["spec_mode"] = (np.array([[cfg.spec_mode.encode()]], np.object_), "BYTES")
-    return v
+    return request_arrays(ENSEMBLE_STEP, {
+        "text_input": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": cfg.stream,
+        "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed, "stop_words": cfg.stop_words or None,
+        "timeout_s": cfg.deadline_s, "spec_mode": cfg.spec_mode})
 
 
 class Collector:

@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from spork_trt.io_spec import error_kind
+from spork_trt.io_spec import error_kind, model_step, request_arrays
 from spork_trt.checkpoint.tokenizer import Tokenizer, text_delta
 from spork_trt.serving.openai_api.errors import ApiError, unavailable
 from spork_trt.serving.openai_api.params import Job
@@ -16,6 +14,7 @@ from spork_trt.spec.grammar import grammar_text
 from spork_trt.spec.logprobs import TokenLogprob
 
 MODEL = "spork"
+SPORK_STEP = model_step(MODEL)
 
 
 @dataclass
@@ -114,23 +113,13 @@ def inputs(job: Job) -> list:
     import tritonclient.grpc.aio as grpcclient
 
     s = job.cfg.sampling
-    values = {"input_ids": (np.array([job.prompt_ids], np.int32), "INT32"),
-              "max_tokens": (np.array([[job.cfg.max_new_tokens]], np.int32), "INT32"),
-              "temperature": (np.array([[s.temperature]], np.float32), "FP32"),
-              "top_p": (np.array([[s.top_p]], np.float32), "FP32"),
-              "top_k": (np.array([[s.top_k]], np.int32), "INT32"),
-              "stream": (np.array([[True]], np.bool_), "BOOL"),  # always: stop strings and cancellation need it
-              "spec_mode": (np.array([[job.spec_mode.encode()]], np.object_), "BYTES")}
-    if job.grammar is not None:
-        values["grammar"] = (np.array([[grammar_text(job.grammar).encode()]], np.object_), "BYTES")
-    if job.logprobs is not None:
-        values["logprobs"] = (np.array([[job.logprobs]], np.int32), "INT32")
-    if job.cache_scope:
-        values["cache_scope"] = (np.array([[job.cache_scope.encode()]], np.object_), "BYTES")
-    if s.seed is not None:
-        values["seed"] = (np.array([[s.seed]], np.uint64), "UINT64")
-    if job.cfg.stop_strings:  # the engine core ends the request there too, freeing its slot without a cancel
-        values["stop_words"] = (np.array([[t.encode("utf-8") for t in job.cfg.stop_strings]], np.object_), "BYTES")
+    values = request_arrays(SPORK_STEP, {
+        "input_ids": job.prompt_ids, "max_tokens": job.cfg.max_new_tokens, "temperature": s.temperature,
+        "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+        "stop_words": job.cfg.stop_strings or None,  # the engine core ends the request there too, freeing its slot
+        "stream": True,  # always: stop strings and cancellation need it
+        "spec_mode": job.spec_mode, "grammar": grammar_text(job.grammar) if job.grammar is not None else None,
+        "logprobs": job.logprobs, "cache_scope": job.cache_scope or None})
     out = []
     for name, (arr, dtype) in values.items():
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
