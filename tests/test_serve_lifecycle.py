@@ -40,6 +40,22 @@ def test_an_address_the_servers_cannot_bind_is_named_not_called_a_port_in_use(ho
     assert "in use" not in str(e.value)
 
 
+def test_the_guard_takes_its_command_through_the_pipe_not_its_argv(tmp_path):
+    """The command holds the admin key: no local user reads it in the guard's /proc/PID/cmdline."""
+    from spork_trt.serving.triton_guard import guarded
+
+    out = tmp_path / "out"
+    with out.open("w") as f:
+        p = guarded([sys.executable, "-c", "import sys, time; time.sleep(1); print(sys.argv[1])", "spork-admin-key=s3"],
+                    5.0, stdout=f)
+        try:
+            assert "s3" not in " ".join(psutil.Process(p.pid).cmdline())
+            assert p.wait(30) == 0
+        finally:
+            p.stdin.close()
+    assert out.read_text().strip() == "spork-admin-key=s3"
+
+
 def test_the_previous_log_is_kept(tmp_path):
     log = tmp_path / "logs" / "tritonserver.log"
     keep_previous(log)

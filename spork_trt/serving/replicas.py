@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spork_trt.errors import UserError
+from spork_trt.serving.triton_guard import guarded
 from spork_trt.serving.triton_server import (
     GUARD_MARGIN_S,
     Addressed,
@@ -155,11 +156,9 @@ class ReplicaSet(Addressed):
         return self
 
     def start_balancer(self) -> None:
-        guard = [sys.executable, "-m", "spork_trt.serving.triton_guard", str(GUARD_MARGIN_S), "--"]
         with open(self.cfg.log.with_name("haproxy.log"), "w") as log:
-            self.lb = subprocess.Popen(guard + [self.haproxy, "-db", "-f", str(self.config_file)],
-                                       stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            self.lb = guarded([self.haproxy, "-db", "-f", str(self.config_file)], GUARD_MARGIN_S, stdout=log,
+                              stderr=subprocess.STDOUT)
         # ready once it routes a readiness check to a ready replica
         state = wait_http_ok(f"http://{self.http_url}/v2/health/ready", self.lb, 30.0, period_s=0.2)
         if state == "exited":

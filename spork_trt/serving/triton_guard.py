@@ -10,11 +10,16 @@ gets a parent-death signal (SIGKILL), so even a killed guard does not leave it r
 whatever else is left in the group (python backend stubs stopped while loading survive SIGTERM) is killed and the
 guard exits with tritonserver's code.
 
-    python -m spork_trt.serving.triton_guard GRACE_S -- tritonserver ARGS...
+    python -m spork_trt.serving.triton_guard GRACE_S    (stdin: the command as one JSON line, then held open)
+
+The command comes through the pipe, not the guard's argv: it holds the admin key (triton_server.command), which
+any local user could read in /proc/PID/cmdline. (tritonserver's own argv still holds it: Triton takes the
+restricted-API key only on its command line.)
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -77,7 +82,7 @@ class Guard:
         timer.start()
 
     def watch_launcher(self) -> None:
-        while os.read(0, 4096):  # the launcher never writes: only EOF (its end closed) comes back
+        while os.read(0, 4096):  # the launcher writes nothing after the command: only EOF (its end closed) comes back
             pass
         self.drain()
 
@@ -90,12 +95,40 @@ class Guard:
         return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
 
 
+def guarded(cmd: list[str], grace_s: float, **popen) -> subprocess.Popen:
+    """Start `cmd` under a guard (in a session of its own, its stdin a pipe only this process holds): the guard's
+    process. `popen`: Popen's other arguments (env, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "spork_trt.serving.triton_guard", str(grace_s)],
+                            stdin=subprocess.PIPE, start_new_session=True, **popen)
+    proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+    proc.stdin.flush()
+    return proc
+
+
+def read_command(fd: int = 0) -> list[str] | None:
+    """The first line of `fd`, a JSON list of strings, read byte by byte (nothing past it is consumed); None if
+    the pipe closed first or the line is not one."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return None
+        line += byte
+    try:
+        cmd = json.loads(line)
+    except ValueError:
+        return None
+    return cmd if isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m spork_trt.serving.triton_guard GRACE_S -- COMMAND...", file=sys.stderr)
+    cmd = read_command() if len(argv) == 1 else None
+    if cmd is None:
+        print("usage: python -m spork_trt.serving.triton_guard GRACE_S  (stdin: the command as a JSON list, one "
+              "line, then held open)", file=sys.stderr)
         return 2
-    return Guard(argv[2:], float(argv[0])).run()
+    return Guard(cmd, float(argv[0])).run()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spork_trt.errors import UserError
+from spork_trt.serving.triton_guard import guarded
 
 MODELS = ("preprocessing", "spork", "spork_unary", "postprocessing", "ensemble", "ensemble_unary")
 # Triton's restricted-API groups held behind the operator's key (model control is also off: mode none): the
@@ -219,12 +220,12 @@ class TritonServer(Addressed):
                                             "--metrics-port": self.cfg.metrics_port})
         binary = find_binary()
         keep_previous(self.cfg.log)
-        guard = [sys.executable, "-m", "spork_trt.serving.triton_guard", str(self.cfg.drain_timeout_s + GUARD_MARGIN_S), "--"]
         with open(self.cfg.log, "w") as log:  # the child keeps its own handle
             # the guard leads the server's process group and takes it down when this process ends, however it ends:
-            # it watches the pipe whose write end only this process holds (triton_guard.py)
-            self.proc = subprocess.Popen(guard + command(self.cfg, binary), env=binary.env, stdin=subprocess.PIPE,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # it watches the pipe whose write end only this process holds; the command (with the admin key) goes
+            # through that pipe, not the guard's argv (triton_guard.py)
+            self.proc = guarded(command(self.cfg, binary), self.cfg.drain_timeout_s + GUARD_MARGIN_S, env=binary.env,
+                                stdout=log, stderr=subprocess.STDOUT)
         try:
             self.wait_ready()
         except BaseException:  # Ctrl-C or SIGTERM while starting: nothing may outlive the launcher
