@@ -116,3 +116,42 @@ def test_a_stopped_engine_stub_stops_serve_with_code_3_and_nothing_is_left(defau
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.slow
+def test_with_two_replicas_a_stopped_stub_has_its_replica_replaced_and_the_set_serves_on(default_engines, tmp_path):
+    import re
+
+    from spork_trt.serving.triton_client import ClientConfig, query
+    from tests.test_serve_lifecycle import launch_all
+
+    p, guards, ports = launch_all(default_engines, tmp_path, "--replicas", "2", "--stall-timeout", "4",
+                                  "--drain-timeout", "5")
+    err = tmp_path / "launcher.err"
+
+    def ask() -> str:
+        return query("Say hello.", ClientConfig(url=f"127.0.0.1:{ports[1]}", protocol="grpc", stream=True,
+                                                max_tokens=8, spec_mode="plain", backoff_s=0.2)).text
+
+    def wait_for(pattern: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, err.read_text()):
+            assert time.monotonic() < deadline and p.poll() is None, err.read_text()
+            time.sleep(0.2)
+
+    try:
+        want = ask()
+        tritons = [g for g in guards if any("tritonserver" in c.name() for c in psutil.Process(g).children())]
+        stubs = spork_stubs(tritons[0])
+        assert len(tritons) == 2 and len(stubs) == 1
+        stubs[0].send_signal(signal.SIGSTOP)
+        wait_for(r"replica r\d: its engine loop stopped serving \(no heartbeat\): killing it", 30)
+        assert ask() == want  # haproxy routes around the replica being replaced
+        wait_for(r"replica r\d is serving again", 180)
+        assert ask() == want and p.poll() is None
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except Exception:  # noqa: BLE001 - the test's own failure matters more
+            p.kill()

@@ -226,7 +226,7 @@ def until_stopped(a: argparse.Namespace, server, front, watch, log, what: str) -
     from spork_trt.serving.watchdog import wait_serving
 
     try:
-        dead = wait_serving(server.alive, watch)
+        dead = wait_serving(server.alive, watch, server.replace_stalled)
     except KeyboardInterrupt:
         front.stop()  # first: no new OpenAI requests, its in-flight answers finish while Triton still serves
         print(f"draining: in-flight requests get {a.drain_timeout:g}s to finish (Ctrl-C again stops at once) ...",

@@ -14,6 +14,7 @@ token only (triton_client.py). haproxy runs under triton_guard too: nothing outl
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,28 @@ class ReplicaSet(Addressed):
                     self.restarting[i].start()
         up = any(s.alive() for s in self.servers) or any(t.is_alive() for t in self.restarting.values())
         return self.lb is not None and self.lb.poll() is None and up
+
+    def replace_stalled(self, pids: list[str]) -> bool:
+        """Processes (a spork stub each) whose engine loop stopped serving (watchdog.py): the replicas holding them
+        are killed, and alive() starts them again (a stub of no current replica was replaced already). False if a
+        replica may not be started again: `serve` then stops every replica."""
+        groups = {s.proc.pid: i for i, s in enumerate(self.servers) if s.proc is not None}
+        found = []
+        for pid in pids:
+            try:
+                i = groups.get(os.getpgid(int(pid)))
+            except ProcessLookupError:  # gone already: its replica's exit is seen by alive()
+                continue
+            if i is None:  # a stub of a replica already replaced (killed, maybe not yet reaped): its file only
+                continue
+            if self.restarted[i] >= self.balancer.restarts:
+                return False
+            found.append(i)
+        for i in sorted(set(found)):
+            print(f"replica r{i}: its engine loop stopped serving (no heartbeat): killing it to start it again; "
+                  "haproxy routes around it", file=sys.stderr, flush=True)
+            kill_group(self.servers[i].proc.pid)
+        return True
 
     def restart(self, i: int) -> None:
         """Start replica `i` again on its ports (its previous log kept as .1); haproxy's health check adds it back."""

@@ -251,6 +251,11 @@ class TritonServer(Addressed):
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def replace_stalled(self, pids: list[str]) -> bool:
+        """An instance of this server stopped serving (watchdog.py): a single server cannot replace it while it
+        serves; `serve` stops it (a replica set restarts the replica instead)."""
+        return False
+
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.cfg.log.read_text(errors="replace").splitlines()[-lines:])
 

@@ -6,8 +6,9 @@ each `spork` instance beats while its loop serves: every half second it touches 
 folder `serve` names in $SPORK_HEARTBEAT_DIR, and only while `Service.stalled()` finds nothing wrong (the loop
 alive, no iteration running past the bound). A stalled loop stops beating and refuses requests at once; a stopped
 process stops beating by itself. `serve` reads the folder every half second: a beat older than the bound means an
-instance stopped serving, and `serve` stops the whole server and exits non-zero so that what runs it (Kubernetes, a
-supervisor, haproxy's health checks) replaces it.
+instance stopped serving. With replicas, the replica holding it is killed and started again (replicas.py; haproxy
+routes around it meanwhile); otherwise `serve` stops the server and exits non-zero so that what runs it
+(Kubernetes, a supervisor) replaces it.
 
     stub:  Heartbeat(service, folder, bound_s).tick()  (from the metrics thread, twice a second)
     serve: stale(folder, bound_s) -> the instances that stopped beating
@@ -82,12 +83,15 @@ class Heartbeat:
         self.path.unlink(missing_ok=True)
 
 
-def wait_serving(alive, watch: Watch | None, period_s: float = 0.5) -> list[str]:
+def wait_serving(alive, watch: Watch | None, replace=None, period_s: float = 0.5) -> list[str]:
     """Block while `alive()` and every instance beats: [] once `alive()` is false, else the instances (pids) that
-    stopped beating. Ctrl-C (KeyboardInterrupt) passes through."""
+    stopped beating and `replace(pids)` (a replica set's: it restarts the replicas holding them) could not take
+    care of. Ctrl-C (KeyboardInterrupt) passes through."""
     while alive():
         dead = watch.stale() if watch is not None else []
-        if dead:
+        if dead and not (replace is not None and replace(dead)):
             return dead
+        for pid in dead:  # replaced: the stopped stub cannot take its file off itself
+            (watch.folder / pid).unlink(missing_ok=True)
         time.sleep(period_s)
     return []
