@@ -58,10 +58,10 @@ class CancelBoard:
         """The request carrying `key` runs here: a cancel of it is always taken."""
         self.own()
         (self.root / RUN).mkdir(mode=0o700, exist_ok=True)
-        touch(self.root / RUN / self.path(key).name)
+        touch(self.mark(key))
 
     def running(self, key: str) -> bool:
-        return (self.root / RUN / self.path(key).name).exists()
+        return self.mark(key).exists()
 
     def own(self) -> None:
         """The board's folder, made private to this user; someone else's folder is never trusted."""
@@ -78,7 +78,7 @@ class CancelBoard:
     def clear(self, key: str) -> None:
         """The request carrying `key` ended: forget its key."""
         self.path(key).unlink(missing_ok=True)
-        (self.root / RUN / self.path(key).name).unlink(missing_ok=True)
+        self.mark(key).unlink(missing_ok=True)
 
     def sweep(self) -> int:
         """Drop posted keys older than max_age_s and running marks older than max_run_s; the number of posted keys
@@ -97,6 +97,10 @@ class CancelBoard:
             except FileNotFoundError:  # another instance swept it first
                 pass
         return left
+
+    def mark(self, key: str) -> Path:
+        """Where the instance serving `key`'s request marks it running."""
+        return self.root / RUN / self.path(key).name
 
     def path(self, key: str) -> Path:
         if not KEY.fullmatch(key):  # checked at the edge (request_tensors.cancel_key): a name inside root, always

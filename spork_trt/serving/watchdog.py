@@ -10,8 +10,8 @@ instance stopped serving. With replicas, the replica holding it is killed and st
 routes around it meanwhile); otherwise `serve` stops the server and exits non-zero so that what runs it
 (Kubernetes, a supervisor) replaces it.
 
-    stub:  Heartbeat(service, folder, bound_s).tick()  (from the metrics thread, twice a second)
-    serve: stale(folder, bound_s) -> the instances that stopped beating
+    stub:  Heartbeat(service, Watch.from_env()).tick()  (from the metrics thread, twice a second)
+    serve: wait_serving(alive, Watch(folder, bound_s), replace) -> the instances that stopped beating
 """
 from __future__ import annotations
 
