@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from spork_trt.checkpoint.tokenizer import Tokenizer
 from spork_trt.serving.openai_api import responses as rs
@@ -30,19 +31,39 @@ DISCONNECT_POLL_S = 0.5
 MAX_PARSING = 64  # requests parsed (JSON, chat template, tokenizer) or waiting for it at once; more: 503
 
 
+DRAIN_S, DRAIN_BYTES = 5.0, 64 * 2**20  # a refused body is read on and dropped for at most this long and this
+# much, so that a client still sending it reads the 413 instead of a reset connection (which the OpenAI SDK sends
+# again, twice)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to pass `limit` bytes: by its Content-Length, else while it
-    streams in. Nothing past the limit is held."""
+    streams in. Nothing past the limit is held; the rest is drained (DRAIN_S, DRAIN_BYTES) before the answer."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    stream, chunks, size = request.stream(), [], 0
+    if not (declared.isdigit() and int(declared) > limit):
+        async for chunk in stream:
+            size += len(chunk)
+            if size > limit:
+                break
+            chunks.append(chunk)
+        else:
+            return b"".join(chunks)
+    chunks.clear()
+    await drain(stream, size)
+    raise too_large(limit)
+
+
+async def drain(stream, size: int) -> None:
+    """Reads and drops the rest of a refused body, for at most DRAIN_S seconds and DRAIN_BYTES bytes."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for chunk in stream:
+                size += len(chunk)
+                if size > DRAIN_BYTES:
+                    return
+    except (TimeoutError, ClientDisconnect):
+        pass
 
 
 def parse(raw: bytes, kind: str, model: ServedModel, tenant_key: str):
