@@ -23,7 +23,9 @@ class FieldError(UserError):
 # words every "try again" answer of the server carries (a full queue, a draining or failed instance; Triton's own
 # full queue in front of a unary model): the request did nothing, so a client may send it again, later or to another
 # replica (triton_client.py, openai_api/upstream.py)
-RETRY_HINTS = ("retry later", "retry on another instance", "Exceeds maximum queue size")
+RETRY_HINTS = ("retry later", "retry on another instance", "Exceeds maximum queue size",
+               "is not healthy")  # Triton's "Stub process 'spork_0_0' is not healthy.": its engine process stopped
+# answering (a replica the watchdog is about to replace); another replica can take the request
 
 
 def retryable(message: str) -> bool:

@@ -61,7 +61,10 @@ def haproxy_config(host: str, http_port: int, grpc_port: int, replicas: list[Ser
         f"    timeout server {idle}", "    retries 2", "    option redispatch 1", "",
         "frontend http_in", f"    bind {host}:{http_port}", "    default_backend http_replicas", "",
         "frontend grpc_in", f"    bind {host}:{grpc_port} proto h2", "    default_backend grpc_replicas", "",
-        "backend http_replicas", "    balance leastconn", "    option httpchk GET /v2/health/ready",
+        "backend http_replicas", "    balance leastconn", "    option http-server-close",  # no idle connection
+        # to a replica left open: tritonserver's drain waits for every HTTP connection, and haproxy's idle pool kept
+        # one until the drain timed out (bench soak --faults)
+        "    option httpchk GET /v2/health/ready",
         "    http-check expect status 200", "    retry-on conn-failure empty-response 503",
         *(f"    server r{i} {r.host}:{r.http_port} {check}" for i, r in enumerate(replicas)), "",
         "backend grpc_replicas", "    balance leastconn", "    option httpchk GET /v2/health/ready",
