@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   python -m bench core --dtype int4 --concurrency 1,16 --rounds 2   # the same on the int4 CPU torch target
   make bench-peers && python -m bench serve-peers --concurrency 1,4,16   # ours vs llama.cpp's llama-server
   python -m bench soak --clients 32 --duration 600         # valid + bad + cancelled: lost/garbled/wrong, RSS
+  python -m bench soak --faults --clients 32 --duration 600   # + OpenAI API, 2 replicas, SIGSTOP and SIGKILL
   python -m bench failover --clients 16 --duration 60      # 2 replicas behind haproxy: one drained, one killed
   python -m bench run --engines engines/default --arms plain spork/ngram spork/ngram/verifier gate/ngram/0.5
   python -m bench gate --engines engines/default --prompts mt_bench,humaneval --taus 0.3,0.5,0.7,0.9
@@ -278,6 +279,14 @@ def main(argv=None) -> int:
                     help="the server's queue beyond its slots (default: the clients, at least 64; small: the queue "
                     "fills and requests are refused as unavailable)")
     sk.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    sk.add_argument("--faults", action="store_true",
+                    help="against `serve --replicas 2` with the OpenAI API (a third of the clients, bad bodies of "
+                    "every kind included): r0's engine stopped with SIGSTOP at 25%% of the run, r1 killed at 55%% "
+                    "(bench/soak_faults.py)")
+    sk.add_argument("--pause", type=float, default=30.0,
+                    help="with --faults: seconds r0's engine stays stopped (default: %(default)s)")
+    sk.add_argument("--stall-timeout", type=float, default=10.0,
+                    help="with --faults: serve's watchdog bound (default: %(default)s)")
     sk.add_argument("--out", default="results/soak")
     sk.add_argument("--json", action="store_true")
     fo = sub.add_parser("failover", help="two replicas behind haproxy under N clients: one drained (SIGTERM), then "

@@ -47,12 +47,26 @@ BAD = (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature")
 TEXT = (np.array([[b"hi"]], np.object_), "BYTES")
 # tensors no client config can express, sent to ensemble_unary (or `spork` for input_ids): (inputs, the name the
 # refusal must carry)
+CUT_HINTS = ("incomplete", "Socket closed", "Connection reset", "Broken pipe", "RST_STREAM", "failed to connect",
+             "Connection refused", "Server disconnected", "peer closed", "EOF", "Connection aborted", "retry later")  # a
+# request's error that says a fault closed its connection or stream (soak_faults.py), not that it was lost
 RAW_BAD = (({"text_input": TEXT, "bogus": (np.array([[1]], np.int32), "INT32")}, "bogus"),
            ({"text_input": TEXT, "max_tokens": (np.array([[8, 9]], np.int32), "INT32")}, "max_tokens"),
            ({"text_input": TEXT, "max_tokens": (np.array([[8.0]], np.float32), "FP32")}, "max_tokens"),
            ({"text_input": (np.array([[b"a" * (2 << 20)]], np.object_), "BYTES")}, "text_input"),
            ({"input_ids": (np.array([[10 ** 9]], np.int32), "INT32")}, "input_ids"),
            ({"input_ids": (np.array([[-5]], np.int32), "INT32")}, "input_ids"))
+
+
+def cut(tally, cuts: list, message: str) -> None:
+    """A request that failed: cut by a fault when its error says a connection or stream went away (its time kept,
+    checked against the faults' windows afterwards), else lost."""
+    if any(h in message for h in CUT_HINTS):
+        tally.add("cut", message[:300])
+        cuts.append(time.monotonic())
+    else:
+        tally.add("lost", message[:300])
+
 
 
 def gauge(metrics_port: int, name: str) -> float:
@@ -106,7 +120,7 @@ def raw_infer(server, inputs: dict) -> str:
 class Tally:
     def __init__(self) -> None:
         self.counts = {k: 0 for k in ("valid", "sampled", "deadline", "refused", "bad", "cancelled", "lost", "garbled",
-                                      "wrong", "bad_unnamed")}
+                                      "wrong", "bad_unnamed", "cut")}
         self.lock = threading.Lock()
         self.examples: list[str] = []
 
@@ -124,10 +138,20 @@ def refusal(tally: Tally) -> None:
     time.sleep(0.05)
 
 
-def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally, mix: tuple[float, ...]) -> None:
+def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally, mix: tuple[float, ...],
+           cuts: list | None = None) -> None:
     """Requests in a loop until `deadline`, each kind drawn by `mix` (bad, cancelled, deadline, sampled shares; the
-    rest greedy)."""
+    rest greedy). With `cuts` (a run with faults, soak_faults.py), valid requests get the client's retries and a
+    failure a fault explains is counted cut (`cut`), its time appended to `cuts`."""
     rng = random.Random(k)
+    retries = 0 if cuts is None else ClientConfig.retries
+
+    def failed(message: str) -> None:
+        if cuts is None:
+            tally.add("lost", message)
+        else:
+            cut(tally, cuts, message)
+
     prompts = sorted({p for p, *_ in refs})
     while time.monotonic() < deadline:
         roll, prompt = rng.random(), rng.choice(prompts)
@@ -147,6 +171,8 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
                     message = str(e)
             if not message:
                 tally.add("lost", f"bad {field} answered as valid")
+            elif cuts is not None and any(h in message for h in CUT_HINTS):
+                failed(f"bad {field}: {message}")
             elif retryable(message):  # refused before it was read: the queue in front of it was full
                 refusal(tally)
             else:
@@ -159,8 +185,10 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
                 error = repr(e)
             if error and retryable(error):
                 refusal(tally)
+            elif error:
+                failed(f"cancel: {error}")
             else:
-                tally.add("lost" if error else "cancelled", error and f"cancel: {error}")
+                tally.add("cancelled")
             continue
         kind, n, seed, over = "valid", rng.choice(LENGTHS), None, {}
         if roll < sum(mix[:3]):
@@ -168,16 +196,16 @@ def client(k: int, server, refs: dict, ids: dict, deadline: float, tally: Tally,
         elif roll < sum(mix[:4]):
             kind, seed, over = "sampled", rng.choice(SEEDS), {**SAMPLED, "spec_mode": "plain"}
         try:
-            reply = query(prompt, ClientConfig(url=url, protocol=protocol, stream=stream, max_tokens=n, retries=0,
-                                               seed=seed, **over))
+            reply = query(prompt, ClientConfig(url=url, protocol=protocol, stream=stream, max_tokens=n,
+                                               retries=retries, seed=seed, **over))
         except UserError as e:
             if retryable(str(e)):
                 refusal(tally)
             else:
-                tally.add("lost", f"{kind} {protocol} stream={stream}: {e}")
+                failed(f"{kind} {protocol} stream={stream}: {e}")
             continue
         except Exception as e:  # noqa: BLE001 - any failure of a valid request is a lost request, counted
-            tally.add("lost", f"{kind} {protocol} stream={stream}: {e!r}")
+            failed(f"{kind} {protocol} stream={stream}: {e!r}")
             continue
         want = refs[prompt, n, seed]
         if "\ufffd" in reply.text:
@@ -216,6 +244,10 @@ def main(a) -> int:
     del rt
     queue_cap = max(64, a.clients) if a.max_queue is None else a.max_queue
     repo = render(RepoConfig(engines, out / "repo", slots=a.slots, max_queue=queue_cap))
+    if a.faults:
+        from . import soak_faults
+
+        return soak_faults.run(a, repo, refs, ids, mix, queue_cap)
     cfg = ServerConfig(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     tally, rss = Tally(), []
     server = TritonServer(cfg).start()
