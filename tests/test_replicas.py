@@ -34,6 +34,7 @@ def test_the_balancer_configuration_is_valid_for_haproxy(tmp_path):
     assert checked.returncode == 0, checked.stderr
     text = cfg.read_text()
     assert text.count("check inter") == 6 and "retry-on conn-failure empty-response 503" in text
+    assert text.count("observe layer7 error-limit 10 on-error mark-down") == 3  # the HTTP backends only
     assert all(f"port {r.http_port} check-proto h1" in text for r in replicas)  # gRPC backends: HTTP readiness
 
 
@@ -66,6 +67,65 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_by_the_balancer(tmp_path)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_replica_that_is_ready_but_fails_requests_is_taken_out_of_the_rotation(tmp_path):
+    """Two stand-in replicas behind the real haproxy with our configuration, both ready; one answers every request
+    500 at once. Least connections alone sends it about half of 60 requests in a row; observing answers
+    (error_limit consecutive 5xx), haproxy takes it out after 3 until its next health check passes."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    hits = {"good": 0, "bad": 0}
+
+    def handler(kind: str):
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:  # readiness: both ready
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                hits[kind] += 1
+                self.send_response(200 if kind == "good" else 500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+        return H
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler(k)) for k in ("good", "bad")]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    replicas = [replace(ServerConfig(tmp_path), http_port=s.server_address[1], grpc_port=free_port()) for s in servers]
+    port, cfg = free_port(), tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config("127.0.0.1", port, free_port(), replicas, BalancerConfig(error_limit=3)))
+    proc = subprocess.Popen([find_haproxy(), "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
+                time.sleep(0.05)
+        statuses = []
+        for _ in range(60):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/m/infer", data=b"{}", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    statuses.append(r.status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+        assert hits["bad"] <= 3 + 3 and statuses.count(200) == hits["good"] >= 54, (hits, statuses)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for s in servers:
+            s.shutdown()
 
 
 def test_replica_counts_outside_2_to_16_are_refused(tmp_path):

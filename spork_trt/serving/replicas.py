@@ -46,12 +46,16 @@ class BalancerConfig:
     idle_timeout_s: float = 600.0  # a connection with nothing sent either way for this long is closed
     request_timeout_s: float = 10.0  # a client's request headers must arrive within this (a slow sender is cut)
     restarts: int = 3  # times a replica that exits is started again (on its own ports; haproxy takes it back)
+    error_limit: int = 10  # consecutive 5xx HTTP answers (haproxy's `observe layer7`; 501 and 505 excepted) that
+    # take a replica out of the rotation until a health check passes: a replica that is ready but fails requests
+    # fast no longer draws more of them (leastconn)
 
 
 def haproxy_config(host: str, http_port: int, grpc_port: int, replicas: list[ServerConfig],
                    b: BalancerConfig = BalancerConfig()) -> str:
     """haproxy.cfg: the public HTTP and gRPC ports, each replica's HTTP and gRPC ports behind them, health-checked
-    on the replica's HTTP readiness."""
+    on the replica's HTTP readiness; HTTP answers observed too (b.error_limit; gRPC's errors travel in trailers,
+    which haproxy does not observe)."""
     check = f"check inter {b.check_ms} fall {b.fall} rise {b.rise}"
     idle = f"{round(b.idle_timeout_s * 1000)}ms"
     lines = [
@@ -66,7 +70,8 @@ def haproxy_config(host: str, http_port: int, grpc_port: int, replicas: list[Ser
         # one until the drain timed out (bench soak --faults)
         "    option httpchk GET /v2/health/ready",
         "    http-check expect status 200", "    retry-on conn-failure empty-response 503",
-        *(f"    server r{i} {r.host}:{r.http_port} {check}" for i, r in enumerate(replicas)), "",
+        *(f"    server r{i} {r.host}:{r.http_port} {check} observe layer7 error-limit {b.error_limit} on-error "
+          "mark-down" for i, r in enumerate(replicas)), "",
         "backend grpc_replicas", "    balance leastconn", "    option httpchk GET /v2/health/ready",
         "    http-check expect status 200", "    retry-on conn-failure",
         *(f"    server r{i} {r.host}:{r.grpc_port} proto h2 {check} port {r.http_port} check-proto h1"
