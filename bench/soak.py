@@ -124,6 +124,18 @@ class Tally:
         self.lock = threading.Lock()
         self.examples: list[str] = []
 
+    def line(self) -> str:
+        """The counts in words, for the summary line."""
+        c = self.counts
+        return (f"{c['valid']} greedy, {c['sampled']} sampled and {c['deadline']} deadline requests right, "
+                f"{c['refused']} refused as unavailable, {c['bad']} bad refused naming the field, {c['cancelled']} "
+                f"cancelled, {c['cut']} cut by a fault; lost {c['lost']}, garbled {c['garbled']}, wrong "
+                f"{c['wrong']}, bad without the field named {c['bad_unnamed']}")
+
+    def failed(self) -> bool:
+        """Something lost, garbled, wrong or refused without its field named."""
+        return any(self.counts[k] for k in ("lost", "garbled", "wrong", "bad_unnamed"))
+
     def add(self, key: str, example: str | None = None) -> None:
         with self.lock:
             self.counts[key] += 1
@@ -281,15 +293,11 @@ def main(a) -> int:
                "command": command()}
     atomic.write_text(out / "soak.json", json.dumps(summary, indent=1))
     plot(rss, out / "soak_rss.png")
-    c = tally.counts
     print(json.dumps(summary) if a.json else
-          f"{c['valid']} greedy, {c['sampled']} sampled and {c['deadline']} deadline requests right, {c['refused']} "
-          f"refused as unavailable, {c['bad']} bad refused naming the field, {c['cancelled']} cancelled; lost "
-          f"{c['lost']}, garbled {c['garbled']}, wrong {c['wrong']}, bad without the field named "
-          f"{c['bad_unnamed']}; slots in use after: {slots:.0f}; RSS {warm:.0f} -> {rss[-1][1]:.0f} MB "
+          f"{tally.line()}; slots in use after: {slots:.0f}; RSS {warm:.0f} -> {rss[-1][1]:.0f} MB "
           f"({summary['rss_growth_after_warmup']:+.1%} after warm-up); the server stopped "
           f"{'cleanly' if stop_code == 0 else f'with exit code {stop_code}'}")
-    ok = not (c["lost"] or c["garbled"] or c["wrong"] or c["bad_unnamed"] or slots or stop_code)
+    ok = not (tally.failed() or slots or stop_code)
     return 0 if ok else 1
 
 

@@ -6,6 +6,7 @@ client sends a request with no answer yet again, and reports an answer cut after
 incomplete."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -38,6 +39,29 @@ def test_the_balancer_configuration_is_valid_for_haproxy(tmp_path):
     assert all(f"port {r.http_port} check-proto h1" in text for r in replicas)  # gRPC backends: HTTP readiness
 
 
+@contextlib.contextmanager
+def balancer(tmp_path, replicas: list, b: BalancerConfig):
+    """The real haproxy on our configuration for `replicas`, accepting connections: yields its HTTP port."""
+    import socket
+
+    port, cfg = free_port(), tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config("127.0.0.1", port, free_port(), replicas, b))
+    proc = subprocess.Popen([find_haproxy(), "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_a_client_that_sends_its_headers_slowly_is_cut_by_the_balancer(tmp_path):
     """Slowloris: a connection whose request headers do not all arrive within request_timeout_s gets haproxy's 408
     and is closed, instead of holding a connection for the idle timeout (600 s)."""
@@ -45,18 +69,8 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_by_the_balancer(tmp_path)
     import time
 
     replicas = [replace(ServerConfig(tmp_path), http_port=free_port(), grpc_port=free_port()) for _ in range(2)]
-    port, cfg = free_port(), tmp_path / "haproxy.cfg"
-    cfg.write_text(haproxy_config("127.0.0.1", port, free_port(), replicas, BalancerConfig(request_timeout_s=1.0)))
-    proc = subprocess.Popen([find_haproxy(), "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                conn = socket.create_connection(("127.0.0.1", port), timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
-                time.sleep(0.05)
+    with balancer(tmp_path, replicas, BalancerConfig(request_timeout_s=1.0)) as port:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=1)
         with conn:
             conn.settimeout(10)
             t0 = time.monotonic()
@@ -64,9 +78,6 @@ def test_a_client_that_sends_its_headers_slowly_is_cut_by_the_balancer(tmp_path)
             answer = conn.recv(4096)
             waited = time.monotonic() - t0
         assert answer.startswith(b"HTTP/1.1 408") and waited < 5, (answer[:40], waited)
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_a_replica_that_is_ready_but_fails_requests_is_taken_out_of_the_rotation(tmp_path):
@@ -100,30 +111,18 @@ def test_a_replica_that_is_ready_but_fails_requests_is_taken_out_of_the_rotation
     for s in servers:
         threading.Thread(target=s.serve_forever, daemon=True).start()
     replicas = [replace(ServerConfig(tmp_path), http_port=s.server_address[1], grpc_port=free_port()) for s in servers]
-    port, cfg = free_port(), tmp_path / "haproxy.cfg"
-    cfg.write_text(haproxy_config("127.0.0.1", port, free_port(), replicas, BalancerConfig(error_limit=3)))
-    proc = subprocess.Popen([find_haproxy(), "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "haproxy did not start"
-                time.sleep(0.05)
-        statuses = []
-        for _ in range(60):
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/m/infer", data=b"{}", method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    statuses.append(r.status)
-            except urllib.error.HTTPError as e:
-                statuses.append(e.code)
+        with balancer(tmp_path, replicas, BalancerConfig(error_limit=3)) as port:
+            statuses = []
+            for _ in range(60):
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/m/infer", data=b"{}", method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        statuses.append(r.status)
+                except urllib.error.HTTPError as e:
+                    statuses.append(e.code)
         assert hits["bad"] <= 3 + 3 and statuses.count(200) == hits["good"] >= 54, (hits, statuses)
     finally:
-        proc.terminate()
-        proc.wait(10)
         for s in servers:
             s.shutdown()
 

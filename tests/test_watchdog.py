@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from bench.soak_faults import spork_stubs
 from spork_trt.config import SpecConfig
 from spork_trt.errors import QueueFull
 from spork_trt.loop.engine_core import CoreConfig
@@ -83,17 +84,6 @@ def test_stale_beats_by_age(tmp_path):
     assert watch.stale() == ["102", "103"]
     assert Watch(tmp_path / "none").stale() == []  # nothing beat yet
     assert Watch.from_env() is None or os.environ.get("SPORK_HEARTBEAT_DIR")
-
-
-def spork_stubs(group: int) -> list[psutil.Process]:
-    out = []
-    for q in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(q.pid) == group and "/spork/" in " ".join(q.cmdline()):
-                out.append(q)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return out
 
 
 @pytest.mark.slow
